@@ -1,0 +1,34 @@
+"""One exception tree for the whole package. Boundaries translate OS and library errors
+into these with ``raise ... from``; only the CLI turns them into exit codes."""
+
+
+class MpsdError(Exception):
+    """Base class: the message is one line naming the offending value and what is accepted."""
+
+
+class ConfigError(MpsdError, ValueError):
+    """A malformed config file, flag or limit string."""
+
+
+class ControlError(MpsdError):
+    """The MPS control daemon rejected a command, timed out or could not be reached."""
+
+
+class ControlTimeout(ControlError):
+    """A control command got no answer in time (the daemon may be hung)."""
+
+
+class DaemonNotRunning(ControlError):
+    """No control daemon answers on the pipe directory."""
+
+
+class SetupError(MpsdError):
+    """A directory, binary or permission the daemon needs is missing or wrong."""
+
+
+class InventoryError(MpsdError):
+    """NVML could not be loaded or queried."""
+
+
+class PluginError(MpsdError):
+    """The kubelet device plugin could not register, serve or allocate."""
