@@ -1,0 +1,42 @@
+"""The environment an MPS client needs, as a pure function of the slice it was given.
+
+Used by ``mpsd exec`` (one process on a node) and by the device plugin's Allocate (a
+container). Paths are the ones the client will see.
+"""
+
+from __future__ import annotations
+
+from .units import format_limits
+
+
+def client_env(
+    *,
+    pipe_dir: str,
+    active_thread_percentage: float | None = None,
+    memory_limits: dict[int | str, int] | None = None,
+    shim_library: str | None = None,
+    region_path: str | None = None,
+    log_dir: str | None = None,
+) -> dict[str, str]:
+    """Variables for one client.
+
+    ``memory_limits`` is keyed the way the client sees its devices (ordinals after
+    CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES, or UUIDs). With ``shim_library`` the shim
+    is preloaded and enforces the same limits for all processes sharing ``region_path``.
+    """
+    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
+    if log_dir:
+        env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
+    if active_thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = _percent(active_thread_percentage)
+    if memory_limits:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = format_limits(memory_limits)
+    if shim_library:
+        env["LD_PRELOAD"] = shim_library
+        if region_path:
+            env["MPSSHIM_REGION"] = region_path
+    return env
+
+
+def _percent(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
