@@ -1,0 +1,92 @@
+"""Session fixtures shared by the test suite.
+
+- `fake_cuda_dir`: a directory holding the fake libcuda.so.1 (tests/fakes), built once per
+  session; put it on LD_LIBRARY_PATH.
+- `shim_lib`: libmpsshim.so freshly built from csrc/ into a session directory, so tests run the
+  current sources (not a stale copy in shim/).
+- `run_client(argv, env, timeout)`: run a client process with exactly the given extra
+  environment, returning the CompletedProcess (text mode).
+- `shim_env(...)`: the environment a client under the shim needs (preload, fake driver,
+  a private region file, limits).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import build_fake_cuda
+
+REPO = Path(__file__).resolve().parent.parent
+ClientRunner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fake_cuda(tmp_path_factory.mktemp("fakecuda"))
+
+
+@pytest.fixture(scope="session")
+def shim_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shimlib") / "libmpsshim.so"
+    proc = subprocess.run(
+        ["make", "-s", "-C", str(REPO / "csrc"), f"OUT={out}", "lib"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"building libmpsshim.so failed:\n{proc.stdout}{proc.stderr}")
+    return out
+
+
+def _run_client(
+    argv: Sequence[str | os.PathLike[str]],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ)
+    for key in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_REGION", "MPSSHIM_DISABLE"):
+        full.pop(key, None)
+    full["PYTHONPATH"] = os.pathsep.join([str(REPO), full.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full.update(env or {})
+    proc = subprocess.run([str(a) for a in argv], env=full, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{argv} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def run_client() -> ClientRunner:
+    return _run_client
+
+
+@pytest.fixture
+def shim_env(fake_cuda_dir: Path, shim_lib: Path, tmp_path: Path) -> Callable[..., dict[str, str]]:
+    """shim_env(limit=None, devices="16G", preload=True, region=<tmp>/region, **extra) -> env."""
+
+    def make(
+        limit: str | None = None,
+        devices: str = "16G",
+        preload: bool = True,
+        region: Path | None = None,
+        **extra: str,
+    ) -> dict[str, str]:
+        env = {
+            "LD_LIBRARY_PATH": str(fake_cuda_dir),
+            "FAKE_CUDA_DEVICES": devices,
+            "MPSSHIM_REGION": str(region if region is not None else tmp_path / "region"),
+        }
+        if preload:
+            env["LD_PRELOAD"] = str(shim_lib)
+        if limit is not None:
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = limit
+        env.update(extra)
+        return env
+
+    return make
+
+
+PYTHON = sys.executable

@@ -1,0 +1,44 @@
+"""Build the fake driver libraries in tests/fakes/ (one make target per fake).
+
+`build_fake_cuda(out_dir)` builds only the fake libcuda.so.1; `build_fakes(out_dir)` builds
+every fake the Makefile lists. Both return the directory, ready for LD_LIBRARY_PATH.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+FAKES_DIR = Path(__file__).resolve().parent
+
+
+class FakeBuildError(RuntimeError):
+    """make failed; the message carries the compiler's output."""
+
+
+def _make(target: str, out_dir: Path) -> Path:
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["make", "-s", "-C", str(FAKES_DIR), f"OUT_DIR={out_dir}", target],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise FakeBuildError(f"make {target} in {FAKES_DIR} failed (rc={proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return out_dir
+
+
+def build_fake_cuda(out_dir: Path) -> Path:
+    """Build libcuda.so.1 (and the libcuda.so link) into out_dir."""
+    return _make("cuda", out_dir)
+
+
+def build_fake_nvml(out_dir: Path) -> Path:
+    """Build the fake libnvidia-ml.so.1 (config format: top of fake_nvml.c) into out_dir."""
+    return _make("nvml", out_dir)
+
+
+def build_fakes(out_dir: Path) -> Path:
+    """Build every fake driver into out_dir."""
+    return _make("all", out_dir)
