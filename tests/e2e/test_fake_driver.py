@@ -231,3 +231,12 @@ def test_concurrent_allocations_never_overbook_and_balance_to_zero(run_py, fake_
     assert out["errors"] == []
     assert 0 < out["peak"] <= 64 * M
     assert out["used"] == 0
+
+
+def test_build_fakes_builds_every_fake_the_makefile_lists(tmp_path):
+    from tests.fakes import FAKES_DIR, build_fakes
+
+    out = build_fakes(tmp_path / "fakes")
+    assert (out / "libcuda.so.1").is_file() and (out / "libcuda.so").resolve() == (out / "libcuda.so.1").resolve()
+    if (FAKES_DIR / "nvml.mk").exists():
+        assert (out / "libnvidia-ml.so.1").is_file()
