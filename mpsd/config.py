@@ -1,0 +1,349 @@
+"""mpsd's configuration: a versioned YAML file, environment variables and flags.
+
+Precedence: flag > environment (``MPSD_`` + flag name) > file > default. Every setting is one
+row of :data:`SETTINGS`; the CLI builds its flags from the same table, and the docs list it.
+Every error is a ConfigError with one line naming the key and the accepted form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from .errors import ConfigError
+from .units import LIMITS_FORM, format_limits, parse_duration, parse_limits, parse_percentage
+
+VERSION = "v1"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+IPC_MODES = ("hostIPC", "tmpfs")
+
+
+# ---------------------------------------------------------------- value parsers (raise ValueError with the accepted form)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a string")
+    return value
+
+
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("a non-empty path")
+    return value
+
+
+def _optional_path(value: Any) -> str | None:
+    return None if value is None or value == "" else _path(value)
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ValueError("true or false")
+
+
+def _int_range(low: int, high: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())):
+            raise ValueError(f"an integer {low}..{high}")
+        number = int(value)
+        if not low <= number <= high:
+            raise ValueError(f"an integer {low}..{high}")
+        return number
+
+    return parse
+
+
+def _percentage(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("a number in (0, 100]")
+    try:
+        return parse_percentage(value)
+    except ConfigError:
+        raise ValueError("a number in (0, 100]") from None
+
+
+def _limits(value: Any) -> dict[int | str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, str):
+        raise ValueError(LIMITS_FORM)
+    try:
+        return parse_limits(value)
+    except ConfigError:
+        raise ValueError(LIMITS_FORM) from None
+
+
+def _duration(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("a duration such as 500ms, 2s, 1m or a number of seconds")
+    try:
+        return parse_duration(value)
+    except ConfigError:
+        raise ValueError("a duration such as 500ms, 2s, 1m or a number of seconds") from None
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = _duration(value)
+    if seconds <= 0:
+        raise ValueError("a duration above zero such as 500ms, 2s, 1m")
+    return seconds
+
+
+def _priority(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    return _int_range(0, 1)(value)
+
+
+def _visible_devices(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    if not isinstance(value, str) or not re.fullmatch(r"(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)(?:,(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+))*", value):
+        raise ValueError('a comma-separated list of GPU indices or UUIDs such as "0,1" or "GPU-..."')
+    return value
+
+
+def _address(value: Any) -> str:
+    if value == "" or value is None:
+        return ""
+    if isinstance(value, str):
+        host, sep, port = value.rpartition(":")
+        if sep and port.isdigit() and 0 <= int(port) <= 65535:
+            return value
+    raise ValueError('host:port such as "0.0.0.0:9400", or "" to disable')
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(" or ".join(choices))
+        return value
+
+    return parse
+
+
+def _log_level(value: Any) -> str:
+    if isinstance(value, str) and value.lower() in LOG_LEVELS:
+        return value.lower()
+    raise ValueError(" | ".join(LOG_LEVELS))
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # YAML path, dotted
+    flag: str  # without the leading dashes
+    parse: Callable[[Any], Any]
+    default: Any  # in YAML form (parsed like any other value)
+    help: str
+
+    @property
+    def attr(self) -> str:
+        return _snake(self.key.split(".")[-1])
+
+    @property
+    def env(self) -> str:
+        return "MPSD_" + self.flag.upper().replace("-", "_")
+
+    @property
+    def is_bool(self) -> bool:
+        return self.parse is _bool
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("controlBinary", "control-binary", _path, "nvidia-cuda-mps-control", "MPS control binary: a name on PATH or an absolute path"),
+    Setting("pipeDir", "pipe-dir", _path, "/tmp/nvidia-mps", "CUDA_MPS_PIPE_DIRECTORY of the daemon and its clients"),
+    Setting("logDir", "log-dir", _path, "/var/log/nvidia-mps", "CUDA_MPS_LOG_DIRECTORY: control.log and server.log"),
+    Setting("visibleDevices", "visible-devices", _visible_devices, None, 'the daemon\'s CUDA_VISIBLE_DEVICES ("0,1" or UUIDs); empty = all GPUs'),
+    Setting("activeThreadPercentage", "active-thread-percentage", _percentage, 100, "default active thread percentage of new servers, (0, 100]"),
+    Setting("pinnedMemLimit", "pinned-mem-limit", _limits, "", 'default pinned device memory limit per client, by device index: "0=20G,1=10G"'),
+    Setting("clientPriority", "client-priority", _priority, None, "default client priority: 0 (normal) or 1 (below normal); empty = driver default"),
+    Setting("exclusiveProcess", "exclusive-process", _bool, False, "set EXCLUSIVE_PROCESS compute mode on managed GPUs, restore it on exit"),
+    Setting("nvidiaSmi", "nvidia-smi", _path, "nvidia-smi", "nvidia-smi used to change the compute mode"),
+    Setting("healthInterval", "health-interval", _positive_duration, "5s", "time between health checks of the daemon"),
+    Setting("healthTimeout", "health-timeout", _positive_duration, "3s", "a control command without answer in this time means the daemon hangs"),
+    Setting("restartBackoffInitial", "restart-backoff-initial", _duration, "0.2s", "wait before the first restart; doubles with every failure in a row"),
+    Setting("restartBackoffMax", "restart-backoff-max", _duration, "30s", "longest wait between restarts"),
+    Setting("shutdownTimeout", "shutdown-timeout", _positive_duration, "10s", "on SIGTERM: quit -t this long, then kill"),
+    Setting("metricsAddress", "metrics-address", _address, "0.0.0.0:9400", 'host:port of /metrics, /healthz, /readyz; "" disables'),
+    Setting("stateDir", "state-dir", _path, "/var/lib/mpsd", "mpsd's own state (per-exec accounting regions)"),
+    Setting("shimLibrary", "shim-library", _optional_path, None, "libmpsshim.so preloaded into clients; empty = the one in the shim package"),
+    Setting("nvmlLibrary", "nvml-library", _optional_path, None, "libnvidia-ml.so.1 to load; empty = pynvml's search"),
+    Setting("logLevel", "log-level", _log_level, "info", "debug | info | warning | error"),
+    Setting("devicePlugin.enabled", "device-plugin", _bool, False, "serve the kubelet device plugin"),
+    Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu", "extended resource name advertised to the kubelet"),
+    Setting("devicePlugin.slicesPerGpu", "slices-per-gpu", _int_range(1, 100), 10, "slices advertised per GPU, 1..100"),
+    Setting("devicePlugin.kubeletDir", "kubelet-dir", _path, "/var/lib/kubelet/device-plugins", "kubelet device-plugin socket directory"),
+    Setting("devicePlugin.podResourcesSocket", "pod-resources-socket", _path, "/var/lib/kubelet/pod-resources/kubelet.sock", "kubelet pod-resources socket"),
+    Setting("devicePlugin.regionDir", "region-dir", _path, "/var/lib/mpsd/regions", "host directory with one accounting region per allocation"),
+    Setting("devicePlugin.shimHostDir", "shim-host-dir", _path, "/var/lib/mpsd/lib", "host directory where libmpsshim.so is installed for pods"),
+    Setting("devicePlugin.ipcMode", "ipc-mode", _choice(IPC_MODES), "hostIPC", "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
+    Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm", "tmpfs mode: host tmpfs mounted as /dev/shm in daemon and pods"),
+)
+BY_KEY = {s.key: s for s in SETTINGS}
+BY_FLAG = {s.flag: s for s in SETTINGS}
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclass(frozen=True)
+class DevicePluginConfig:
+    enabled: bool
+    resource_name: str
+    slices_per_gpu: int
+    kubelet_dir: str
+    pod_resources_socket: str
+    region_dir: str
+    shim_host_dir: str
+    ipc_mode: str
+    shm_dir: str
+
+
+@dataclass(frozen=True)
+class Config:
+    control_binary: str
+    pipe_dir: str
+    log_dir: str
+    visible_devices: str | None
+    active_thread_percentage: float
+    pinned_mem_limit: dict[int | str, int]
+    client_priority: int | None
+    exclusive_process: bool
+    nvidia_smi: str
+    health_interval: float
+    health_timeout: float
+    restart_backoff_initial: float
+    restart_backoff_max: float
+    shutdown_timeout: float
+    metrics_address: str
+    state_dir: str
+    shim_library: str | None
+    nvml_library: str | None
+    log_level: str
+    device_plugin: DevicePluginConfig
+    source: str | None = field(default=None, compare=False)  # the file it came from
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML shape back (durations as seconds, limits in MPS syntax)."""
+        out: dict[str, Any] = {"version": VERSION}
+        for s in SETTINGS:
+            value = self.get(s.key)
+            if s.key == "pinnedMemLimit":
+                value = format_limits(value)
+            section, _, name = s.key.rpartition(".")
+            (out.setdefault(section, {}) if section else out)[name or s.key] = value
+        return out
+
+    def get(self, key: str) -> Any:
+        obj: Any = self
+        for part in key.split("."):
+            obj = getattr(obj, _snake(part))
+        return obj
+
+
+def default_config() -> Config:
+    return load(None, {}, {})
+
+
+def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, object]) -> Config:
+    """Resolve the config from a file (or none), the environment and flag overrides.
+
+    ``overrides`` is keyed by YAML key (``devicePlugin.slicesPerGpu``) or flag name
+    (``slices-per-gpu``); ``None`` values are ignored (flag not given)."""
+    raw: dict[str, Any] = {s.key: s.default for s in SETTINGS}
+    origin: dict[str, str] = {s.key: "default" for s in SETTINGS}
+    if path is not None:
+        for key, value in read_file(path).items():
+            raw[key], origin[key] = value, path
+    for s in SETTINGS:
+        if s.env in env:
+            raw[s.key], origin[s.key] = env[s.env], f"environment {s.env}"
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        s = BY_KEY.get(name) or BY_FLAG.get(name)
+        if s is None:
+            raise ConfigError(f"unknown setting {name!r}")
+        raw[s.key], origin[s.key] = value, f"flag --{s.flag}"
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        try:
+            values[s.key] = s.parse(raw[s.key])
+        except ValueError as exc:
+            raise ConfigError(f"{origin[s.key]}: {s.key}: expected {exc}, got {_show(raw[s.key])}") from None
+    top = {s.attr: values[s.key] for s in SETTINGS if "." not in s.key}
+    plugin = DevicePluginConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("devicePlugin.")})
+    return Config(**top, device_plugin=plugin, source=path)
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """The file's settings as {dotted key: raw value}; unknown keys and versions rejected."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with version: {VERSION}, got {_show(data)}")
+    if "version" not in data:
+        raise ConfigError(f"{path}: version: required, expected {VERSION}")
+    if data["version"] != VERSION:
+        raise ConfigError(f"{path}: version: expected {VERSION}, got {_show(data['version'])}")
+    flat: dict[str, Any] = {}
+    _flatten(path, data, "", flat)
+    return flat
+
+
+def _flatten(path: str, data: dict, prefix: str, out: dict[str, Any]) -> None:
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if key == "version":
+            continue
+        if key in BY_KEY:
+            out[key] = value
+        elif isinstance(value, dict) and any(k.startswith(key + ".") for k in BY_KEY):
+            _flatten(path, value, key + ".", out)
+        else:
+            known = sorted({k.split(".")[0] if not prefix else k[len(prefix):] for k in BY_KEY if k.startswith(prefix)})
+            raise ConfigError(f"{path}: {key}: unknown key; known keys here: {', '.join(known)}")
+
+
+def _show(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def describe(config: Config) -> str:
+    """One log line with every resolved setting."""
+    return " ".join(f"{s.key}={_format(config, s.key)}" for s in SETTINGS)
+
+
+def _format(config: Config, key: str) -> str:
+    value = config.get(key)
+    if key == "pinnedMemLimit":
+        value = format_limits(value)
+    return _show(value)
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    return [s.key for s in SETTINGS if old.get(s.key) != new.get(s.key)]
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,424 @@
+"""Keeps one ``nvidia-cuda-mps-control -f`` alive, configured and observed.
+
+One loop owns every decision. Signal handlers, the child's exit watcher and ``stop()`` only
+put events on a queue; the loop takes them one at a time, with the next timer (health check
+or restart) as its wait timeout. The child runs in its own session, so a terminal's Ctrl-C
+reaches mpsd only and shutdown stays in order: ``quit -t N``, a bounded wait, then SIGKILL of
+the daemon's process group (its servers included).
+
+Restarts back off exponentially (``restartBackoffInitial`` doubling up to ``restartBackoffMax``);
+the count of failures in a row resets once a daemon passes a periodic health check.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from . import dirs
+from .computemode import ComputeMode
+from .config import BY_KEY, Config, changed_keys
+from .control import CommandRejected, Control, UnknownCommand, mem_limit_as_displayed
+from .errors import ConfigError, ControlError, ControlTimeout, MpsdError, SetupError
+from .health import HealthBoard
+from .units import format_limits, format_size_mps_control
+
+log = logging.getLogger(__name__)
+
+LIVE_KEYS = frozenset({
+    "activeThreadPercentage", "pinnedMemLimit", "clientPriority", "healthInterval", "healthTimeout",
+    "restartBackoffInitial", "restartBackoffMax", "shutdownTimeout", "logLevel",
+})
+READY_POLL = 0.02
+
+
+class ConfigureError(MpsdError):
+    """A default did not read back as set."""
+
+
+@dataclass(frozen=True)
+class Status:
+    """A snapshot for metrics and tests."""
+
+    state: str = "starting"  # starting | running | backoff | stopping | stopped
+    pid: int | None = None
+    restarts: int = 0  # daemons started after the first
+    failures_in_row: int = 0
+    health_latency: float | None = None  # seconds of the last health round-trip
+    servers: tuple[int, ...] = ()
+    server_states: dict[int, str] = field(default_factory=dict)
+    last_error: str = ""
+    config_generation: int = 1
+
+
+def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float:
+    """initial, 2*initial, 4*initial ... capped at maximum (failures_in_row >= 1)."""
+    return min(maximum, initial * 2 ** max(failures_in_row - 1, 0))
+
+
+def apply_defaults(control: Control, config: Config) -> None:
+    """Set the daemon-wide defaults and read each back; ConfigureError on a mismatch."""
+    wanted = config.active_thread_percentage
+    control.set_default_active_thread_percentage(wanted)
+    got = control.get_default_active_thread_percentage()
+    if not math.isclose(got, wanted, abs_tol=0.05):
+        raise ConfigureError(f"activeThreadPercentage: set {wanted:g}, daemon reads back {got:g}")
+    for device, nbytes in config.pinned_mem_limit.items():
+        value = format_size_mps_control(nbytes)
+        control.set_default_device_pinned_mem_limit(device, value)
+        if isinstance(device, str):
+            log.warning("pinned limit by UUID cannot be read back on this daemon device=%s value=%s", device, value)
+            continue
+        got_bytes = control.get_default_device_pinned_mem_limit(device)
+        if got_bytes != mem_limit_as_displayed(nbytes):
+            raise ConfigureError(f"pinnedMemLimit: device {device} set {value}, daemon reads back {got_bytes!r} bytes")
+    if config.client_priority is not None:
+        control.set_default_client_priority(config.client_priority)
+        got_priority = control.get_default_client_priority()
+        if got_priority != config.client_priority:
+            raise ConfigureError(f"clientPriority: set {config.client_priority}, daemon reads back {got_priority}")
+
+
+class DaemonProcess:
+    """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log."""
+
+    def __init__(self, config: Config, on_exit: Callable[["DaemonProcess", int], None]) -> None:
+        env = dict(os.environ)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
+        env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if config.visible_devices:
+            env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
+        try:
+            self.proc = subprocess.Popen(
+                [config.control_binary, "-f"], env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        except OSError as exc:
+            raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc
+        self.pid = self.proc.pid
+        self.started = time.monotonic()
+        self.returncode: int | None = None
+        self._log_path = os.path.join(config.log_dir, "control.log")
+        threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
+        threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
+        log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            out = open(self._log_path, "ab")
+        except OSError as exc:
+            log.warning("cannot write daemon log path=%s error=%s", self._log_path, exc.strerror)
+            out = None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                text = line.decode(errors="replace").rstrip()
+                level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
+                log.log(level, "daemon pid=%d says %s", self.pid, text)
+        if out is not None:
+            out.close()
+
+    def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:
+        self.returncode = self.proc.wait()
+        on_exit(self, self.returncode)
+
+    def alive(self) -> bool:
+        return self.returncode is None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the daemon and everything in its session (its servers)."""
+        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
+            try:
+                target()
+            except ProcessLookupError:
+                pass
+            except PermissionError as exc:
+                log.error("cannot kill daemon pid=%d error=%s", self.pid, exc)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        board: HealthBoard,
+        *,
+        reload: Callable[[], Config] | None = None,
+        gpu_indices: Callable[[], list[int]] = list,
+        on_status: Callable[[Status], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.board = board
+        self._reload = reload
+        self._gpu_indices = gpu_indices
+        self._on_status = on_status
+        self._events: queue.Queue[tuple] = queue.Queue()
+        self._daemon: DaemonProcess | None = None
+        self._status = Status()
+        self._status_lock = threading.Lock()
+        self._next_at: float | None = None  # next health check or restart
+        self._supports_status: bool | None = None
+        self._compute = ComputeMode(config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None)
+        self.loop_alive = threading.Event()
+
+    # ---- thread-safe entry points
+
+    def stop(self) -> None:
+        self._events.put(("stop",))
+
+    def reload(self) -> None:
+        self._events.put(("reload",))
+
+    def status(self) -> Status:
+        with self._status_lock:
+            return self._status
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop, SIGHUP reloads; the handlers only enqueue (main thread only)."""
+        signal.signal(signal.SIGTERM, lambda *_: self._events.put(("stop",)))
+        signal.signal(signal.SIGINT, lambda *_: self._events.put(("stop",)))
+        signal.signal(signal.SIGHUP, lambda *_: self._events.put(("reload",)))
+
+    def control(self, timeout: float | None = None) -> Control:
+        c = self.config
+        return Control(c.control_binary, c.pipe_dir, c.log_dir, c.health_timeout if timeout is None else timeout)
+
+    # ---- the loop
+
+    def run(self) -> int:
+        """Start the daemon and supervise it until stop(); 0 on a clean stop. SetupError if
+        the first start cannot even begin (directories, binary, compute mode)."""
+        if self.config.exclusive_process:
+            self._compute.set_exclusive()
+        try:
+            self.loop_alive.set()
+            self._start(first=True)
+            while True:
+                timeout = None if self._next_at is None else max(0.0, self._next_at - time.monotonic())
+                try:
+                    event = self._events.get(timeout=timeout)
+                except queue.Empty:
+                    event = ("timer",)
+                if event[0] == "stop":
+                    self._shutdown()
+                    return 0
+                self._dispatch(event)
+        finally:
+            self.loop_alive.clear()
+            if self.config.exclusive_process:
+                self._compute.restore()
+
+    def _dispatch(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "exited":
+            self._on_exited(event[1], event[2])
+        elif kind == "reload":
+            self._do_reload()
+        elif kind == "timer":
+            if self._daemon is None:
+                self._start(first=False)
+            else:
+                self._health_check()
+
+    def _publish(self, **changes) -> None:
+        with self._status_lock:
+            self._status = replace(self._status, **changes)
+            status = self._status
+        if self._on_status is not None:
+            try:
+                self._on_status(status)
+            except Exception:  # a metrics bug must not stop supervision
+                log.exception("status observer failed")
+
+    # ---- start, exit, restart
+
+    def _start(self, first: bool) -> None:
+        status = self.status()
+        self._publish(state="starting", restarts=status.restarts + (0 if first else 1))
+        try:
+            dirs.prepare(self.config.pipe_dir, self.config.log_dir)
+            self._daemon = DaemonProcess(self.config, self._exited_cb)
+        except SetupError as exc:
+            if first:
+                raise
+            self._failed(f"cannot start the daemon: {exc}")
+            return
+        self._supports_status = None
+        try:
+            self._wait_listening(self._daemon)
+            apply_defaults(self.control(), self.config)
+        except (ControlError, ConfigureError) as exc:
+            daemon, self._daemon = self._daemon, None
+            daemon.kill()
+            daemon.wait(5.0)
+            self._failed(f"daemon pid={daemon.pid} did not come up configured: {exc}")
+            return
+        self.board.update(daemon_up=True, configured=True, last_error="")
+        self._publish(state="running", pid=self._daemon.pid, last_error="")
+        self._next_at = time.monotonic() + self.config.health_interval
+        log.info("daemon configured pid=%d active_thread_percentage=%g pinned_mem_limit=%s client_priority=%s",
+                 self._daemon.pid, self.config.active_thread_percentage,
+                 format_limits(self.config.pinned_mem_limit) or "none", self.config.client_priority)
+
+    def _wait_listening(self, daemon: DaemonProcess) -> None:
+        deadline = time.monotonic() + self.config.health_timeout
+        control = self.control()
+        while True:
+            if not daemon.alive():
+                raise ControlError(f"control daemon exited at start with status {daemon.proc.poll()}")
+            try:
+                control.get_server_list()
+                return
+            except ControlTimeout:
+                raise
+            except ControlError:
+                if time.monotonic() >= deadline:
+                    raise ControlError(f"control daemon not listening after {self.config.health_timeout:g}s") from None
+                time.sleep(READY_POLL)
+
+    def _exited_cb(self, daemon: DaemonProcess, returncode: int) -> None:
+        self._events.put(("exited", daemon, returncode))
+
+    def _on_exited(self, daemon: DaemonProcess, returncode: int) -> None:
+        if daemon is not self._daemon:
+            return  # one we already retired
+        self._daemon = None
+        daemon.kill()  # its servers, if any are left
+        self._failed(f"daemon pid={daemon.pid} exited with status {returncode}")
+
+    def _failed(self, message: str) -> None:
+        failures = self.status().failures_in_row + 1
+        delay = backoff_delay(failures, self.config.restart_backoff_initial, self.config.restart_backoff_max)
+        if failures >= 3:
+            message = f"{message}; crash loop: {failures} failures in a row, next start in {delay:.1f}s"
+            log.error("%s", message)
+        else:
+            log.warning("%s; restarting in %.1fs", message, delay)
+        self.board.update(daemon_up=False, configured=False, last_error=message)
+        self._publish(state="backoff", pid=None, failures_in_row=failures, last_error=message, servers=(), server_states={})
+        self._next_at = time.monotonic() + delay
+
+    # ---- health
+
+    def _health_check(self) -> None:
+        daemon = self._daemon
+        assert daemon is not None
+        control = self.control()
+        began = time.monotonic()
+        try:
+            control.get_default_active_thread_percentage()
+            servers = control.get_server_list()
+            states = self._server_states(control, servers)
+        except ControlTimeout as exc:
+            self._retire(daemon, f"daemon pid={daemon.pid} hung: {exc}")
+            return
+        except ControlError as exc:
+            self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {exc}")
+            return
+        latency = time.monotonic() - began
+        faulted = [pid for pid, state in states.items() if state == "FAULT"]
+        gpus = frozenset(self._gpu_indices()) if faulted else frozenset()
+        error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit" if faulted else ""
+        if faulted:
+            log.error("%s gpus=%s", error, sorted(gpus))
+        self.board.update(faulted_gpus=gpus, last_error=error)
+        self._publish(state="running", failures_in_row=0, health_latency=latency, servers=tuple(servers),
+                      server_states=states, last_error=error)
+        self._next_at = time.monotonic() + self.config.health_interval
+
+    def _server_states(self, control: Control, servers: list[int]) -> dict[int, str]:
+        states: dict[int, str] = {}
+        if self._supports_status is False:
+            return states
+        for pid in servers:
+            try:
+                states[pid] = control.get_server_status(pid)
+                self._supports_status = True
+            except UnknownCommand:
+                log.info("get_server_status not supported by this daemon (before driver 550): FAULT detection off")
+                self._supports_status = False
+                break
+            except CommandRejected:
+                continue  # the server exited between the two commands
+        return states
+
+    def _retire(self, daemon: DaemonProcess, message: str) -> None:
+        """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
+        log.error("%s: killing it", message)
+        self.board.update(daemon_up=False, configured=False, last_error=message)
+        self._publish(last_error=message)
+        daemon.kill()
+        self._next_at = time.monotonic() + self.config.health_interval  # the exit event should come first
+
+    # ---- reload and shutdown
+
+    def _do_reload(self) -> None:
+        if self._reload is None:
+            log.warning("SIGHUP: no config source to reload")
+            return
+        try:
+            new = self._reload()
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running config: %s", exc)
+            self.board.update(last_error=f"reload failed: {exc}")
+            return
+        changed = changed_keys(self.config, new)
+        later = [k for k in changed if k not in LIVE_KEYS]
+        for key in later:
+            log.warning("reload key=%s changed: applies only after mpsd restarts", key)
+        live = {k for k in changed if k in LIVE_KEYS}
+        merged = self.config
+        for key in live:
+            merged = _set_key(merged, key, new.get(key))
+        self.config = merged
+        if "logLevel" in live:
+            logging.getLogger().setLevel(merged.log_level.upper())
+        self._publish(config_generation=self.status().config_generation + 1)
+        log.info("reloaded applied=%s deferred=%s", ",".join(sorted(live)) or "-", ",".join(later) or "-")
+        if live & {"activeThreadPercentage", "pinnedMemLimit", "clientPriority"} and self._daemon is not None:
+            try:
+                apply_defaults(self.control(), merged)
+                log.info("new defaults applied: they reach servers started from now on")
+            except (ControlError, ConfigureError) as exc:
+                self._retire(self._daemon, f"re-applying defaults after reload failed: {exc}")
+
+    def _shutdown(self) -> None:
+        self._publish(state="stopping")
+        daemon, self._daemon = self._daemon, None
+        if daemon is not None and daemon.alive():
+            limit = self.config.shutdown_timeout
+            started = time.monotonic()
+            try:
+                self.control().quit(timeout_s=max(1, math.ceil(limit)), wait=limit)
+            except ControlError as exc:
+                log.warning("quit failed pid=%d error=%s", daemon.pid, exc)
+            remaining = max(0.0, limit - (time.monotonic() - started))
+            if not daemon.wait(remaining):
+                log.warning("daemon pid=%d still running after %gs: killing it", daemon.pid, limit)
+            daemon.kill()  # also servers left in its session
+            daemon.wait(5.0)
+            log.info("daemon stopped pid=%d status=%s", daemon.pid, daemon.proc.returncode)
+        self.board.update(daemon_up=False, configured=False)
+        self._publish(state="stopped", pid=None)
+
+
+def _set_key(config: Config, key: str, value) -> Config:
+    return replace(config, **{BY_KEY[key].attr: value})

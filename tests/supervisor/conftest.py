@@ -1,0 +1,103 @@
+"""Fixtures for the supervisor tests: the real control binary and configs under tmp dirs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from mpsd import config as cfg
+from mpsd.health import HealthBoard
+from mpsd.supervisor import Supervisor
+from tests.mpsbin import DEFAULT_CACHE, FetchError, ensure_mps_control
+
+
+@pytest.fixture(scope="session")
+def mps_control() -> Path:
+    """The real nvidia-cuda-mps-control. A failed fetch FAILS the test (CI has the network)."""
+    try:
+        return ensure_mps_control(Path(os.environ.get("MPSD_TEST_MPS_CACHE", DEFAULT_CACHE)))
+    except FetchError as exc:
+        pytest.fail(f"cannot fetch the real nvidia-cuda-mps-control: {exc}", pytrace=False)
+
+
+@pytest.fixture
+def mps_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    # Short paths: the pipe dir holds unix sockets (108-byte path limit).
+    base = Path(tmp_path_factory.mktemp("m", numbered=True))
+    return base / "pipe", base / "log"
+
+
+@pytest.fixture
+def make_config(mps_control, mps_dirs):
+    pipe, logs = mps_dirs
+
+    def make(**overrides) -> cfg.Config:
+        values = {
+            "control-binary": str(mps_control),
+            "pipe-dir": str(pipe),
+            "log-dir": str(logs),
+            "metrics-address": "",
+            "health-interval": "0.3s",
+            "health-timeout": "2s",
+            "restart-backoff-initial": "0.1s",
+            "restart-backoff-max": "2s",
+            "shutdown-timeout": "5s",
+            "state-dir": str(pipe.parent / "state"),
+        }
+        values.update(overrides)
+        return cfg.load(None, {}, values)
+
+    return make
+
+
+class Running:
+    """A Supervisor run in a thread; stopped and joined at teardown."""
+
+    def __init__(self, config: cfg.Config, **kwargs) -> None:
+        self.board = HealthBoard()
+        self.sup = Supervisor(config, self.board, **kwargs)
+        self.result: list[object] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result.append(self.sup.run())
+        except BaseException as exc:  # surfaced by the test
+            self.result.append(exc)
+
+    def wait_for(self, predicate, timeout: float = 30.0, what: str = "condition"):
+        """Wait on board changes until predicate(state) holds."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        state = self.board.current()
+        while not predicate(state):
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.result and not self.thread.is_alive()):
+                raise AssertionError(f"timed out waiting for {what}: state={state} status={self.sup.status()} result={self.result}")
+            state = self.board.wait_change(state.generation, min(left, 0.5))
+        return state
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.sup.stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "supervisor did not stop"
+
+
+@pytest.fixture
+def run_supervisor():
+    started: list[Running] = []
+
+    def start(config: cfg.Config, **kwargs) -> Running:
+        r = Running(config, **kwargs)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        if r.thread.is_alive():
+            r.stop()
