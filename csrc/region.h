@@ -24,7 +24,10 @@ typedef struct ms_region ms_region; /* process-local handle */
 enum { MS_OK = 0, MS_OVER_CAP = 1, MS_ERROR = -1 };
 
 /* Open or create the region at `path` (creating parent directories is the caller's job).
- * Claims a process slot. 0, or -1 with a one-line reason in err. */
+ * Claims a process slot. 0, or -1 with a one-line reason in err. A new file is created with
+ * mode 0666 & ~umask: processes of one container may run under different UIDs.
+ * Opening the same file twice in one process returns the same handle (reference counted):
+ * a second descriptor on the file, once closed, would drop this process's liveness lock. */
 int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen);
 void ms_region_close(ms_region *r); /* gives this process's charges back */
 
@@ -32,7 +35,10 @@ void ms_region_close(ms_region *r); /* gives this process's charges back */
  * MS_OK, or MS_OVER_CAP (nothing charged; *in_use says what is in use, after dead processes
  * were reclaimed), or MS_ERROR (corrupted region). */
 int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use);
-void ms_region_uncharge(ms_region *r, int dev, uint64_t bytes);
+/* Gives back up to `bytes` of what this process charged on `dev`. Never wraps: more than this
+ * process holds is clamped, and the part that could not be given back is returned (0 normally;
+ * callers that ignore it may keep calling it as a void function). */
+uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes);
 uint64_t ms_region_used(const ms_region *r, int dev);
 
 /* Give back the charges of dead processes. Returns how many slots were reclaimed. */

@@ -1,0 +1,524 @@
+/* Container-wide accounting region (contract in region.h).
+ *
+ * Design, and why:
+ *  - One fixed-size file, mmap'd MAP_SHARED: a header (magic, layout version, ABI and sizes,
+ *    a robust process-shared mutex, per-device used bytes and last cap) and MS_SLOTS process
+ *    slots (pid, state, used bytes per device). Invariant, under the mutex:
+ *        header.used[d] == sum of used[d] over CLAIMED slots.
+ *  - Every charge and uncharge takes the mutex. Uncontended, a robust pthread mutex is a
+ *    user-space compare-and-swap plus glibc's robust-list bookkeeping: no syscall. A lock-free
+ *    "reserve then roll back" counter would be a little faster but cannot tell, after a
+ *    SIGKILL between updating the total and the slot, which of the two happened; the mutex
+ *    can: its next owner gets EOWNERDEAD and rebuilds the totals from the slots, which makes
+ *    the invariant true again whatever step the dead owner was at.
+ *  - Liveness of a slot is a POSIX fcntl write lock its owner holds on one byte of the file
+ *    (the slot's first byte) for its lifetime. The kernel drops it when the process dies,
+ *    whatever the PID namespace, so PID reuse cannot fool it; POSIX (not OFD) locks are not
+ *    inherited by fork, so a child can never keep a dead parent's slot alive. Others test it
+ *    with F_GETLK. Caveat of POSIX locks: closing ANY descriptor of the file drops them, so
+ *    this process never opens the file twice (handles are shared per inode, see ms_reg_*).
+ *  - Dead slots are reclaimed (their bytes subtracted from the totals) when a charge would be
+ *    refused, on open, and on ms_region_reclaim. The kernel releases robust futexes before
+ *    file locks when a process exits, so an EOWNERDEAD recovery may still see the dead owner's
+ *    file lock: its slot stays counted (consistently) until the next reclaim.
+ *  - fork: the child is a new process with no file lock. An atfork handler bumps a generation
+ *    number; a handle whose generation is stale claims a new slot before its next charge
+ *    (one load and compare on the fast path, no getpid() syscall).
+ *  - The file is built under a temporary name and published with link(2), which fails if
+ *    the name exists: racing first openers never see a half-initialised region. */
+#include "region.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+
+/* --- the file layout (bump MS_LAYOUT_VERSION on any change) --- */
+
+#define MS_MAGIC "MPSSHMRG"
+#define MS_LAYOUT_VERSION 1
+#define MS_SLOTS MS_SNAPSHOT_MAX_PROCS
+/* Guards against a file written by another ABI (e.g. aarch64, where the mutex is 48 bytes). */
+#define MS_ABI ((uint32_t)(sizeof(pthread_mutex_t) << 16 | sizeof(void *) << 8 | MS_MAX_DEVICES))
+
+enum { MS_SLOT_FREE = 0, MS_SLOT_CLAIMED = 1 };
+
+typedef struct ms_slot {
+    int32_t pid; /* as the owner saw itself (informational: liveness is the file lock) */
+    uint32_t state;
+    uint64_t used[MS_MAX_DEVICES];
+} __attribute__((aligned(64))) ms_slot;
+
+typedef struct ms_hdr {
+    char magic[8];
+    uint32_t version, abi;
+    uint64_t file_size;
+    uint32_t nslots, ndevices;
+    uint64_t recoveries; /* EOWNERDEAD recoveries */
+    uint64_t reclaimed;  /* dead slots given back */
+    uint64_t clamped;    /* uncharges of more than the process held */
+    union {
+        pthread_mutex_t m;
+        char pad[64];
+    } mutex __attribute__((aligned(64)));
+    uint64_t used[MS_MAX_DEVICES];
+    uint64_t cap[MS_MAX_DEVICES];
+    ms_slot slot[MS_SLOTS];
+} ms_hdr;
+
+#define MS_SLOT_OFF(i) (offsetof(ms_hdr, slot) + (size_t)(i) * sizeof(ms_slot))
+
+_Static_assert(sizeof(pthread_mutex_t) <= 64, "pthread_mutex_t fits its pad");
+
+static void ms_layout_fill(ms_hdr *h) {
+    h->version = MS_LAYOUT_VERSION;
+    h->abi = MS_ABI;
+    h->file_size = sizeof(ms_hdr);
+    h->nslots = MS_SLOTS;
+    h->ndevices = MS_MAX_DEVICES;
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    memcpy(h->magic, MS_MAGIC, sizeof h->magic);
+}
+
+static int ms_layout_check(const ms_hdr *h, const char *path, char *err, size_t errlen) {
+    if (memcmp(h->magic, MS_MAGIC, sizeof h->magic) != 0) {
+        snprintf(err, errlen, "region %.200s has a bad magic number: not an mpsshim region, or overwritten", path);
+        return -1;
+    }
+    if (h->version != MS_LAYOUT_VERSION) {
+        snprintf(err, errlen, "region %.200s has layout version %u; this shim reads only version %d", path,
+                 h->version, MS_LAYOUT_VERSION);
+        return -1;
+    }
+    if (h->abi != MS_ABI || h->file_size != sizeof(ms_hdr) || h->nslots != MS_SLOTS ||
+        h->ndevices != MS_MAX_DEVICES) {
+        snprintf(err, errlen, "region %.200s was written by a shim with another layout (abi %#x, %u slots, %u devices)",
+                 path, h->abi, h->nslots, h->ndevices);
+        return -1;
+    }
+    for (int i = 0; i < MS_SLOTS; i++) {
+        if (h->slot[i].state != MS_SLOT_FREE && h->slot[i].state != MS_SLOT_CLAIMED) {
+            snprintf(err, errlen, "region %.200s is corrupted: process slot %d has state %u", path, i,
+                     h->slot[i].state);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Sum of a device's usage over the claimed slots, saturating (a corrupted file cannot wrap it). */
+static uint64_t ms_slot_sum(const ms_hdr *h, int d) {
+    uint64_t sum = 0;
+    for (int i = 0; i < MS_SLOTS; i++) {
+        if (__atomic_load_n(&h->slot[i].state, __ATOMIC_RELAXED) != MS_SLOT_CLAIMED) continue;
+        uint64_t u = __atomic_load_n(&h->slot[i].used[d], __ATOMIC_RELAXED);
+        sum = (sum > UINT64_MAX - u) ? UINT64_MAX : sum + u;
+    }
+    return sum;
+}
+
+/* Under the mutex: the invariant; -1 and a reason if the file was corrupted. */
+static int ms_check_totals(const ms_hdr *h, const char *path, char *err, size_t errlen) {
+    for (int d = 0; d < MS_MAX_DEVICES; d++) {
+        uint64_t sum = ms_slot_sum(h, d);
+        if (sum != h->used[d]) {
+            snprintf(err, errlen, "region %.200s is corrupted: device %d total %llu differs from its processes' sum %llu",
+                     path, d, (unsigned long long)h->used[d], (unsigned long long)sum);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static unsigned long ms_forkgen;
+static pthread_once_t ms_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t ms_reg_lock = PTHREAD_MUTEX_INITIALIZER;
+static ms_region *ms_reg_head;
+
+struct ms_region {
+    ms_region *next;
+    int refs;
+    int fd;
+    dev_t st_dev;
+    ino_t st_ino;
+    ms_hdr *hdr;
+    int slot;              /* index of this process's slot */
+    unsigned long forkgen; /* ms_forkgen when the slot was claimed */
+};
+
+static void ms_atfork_child(void) { __atomic_add_fetch(&ms_forkgen, 1, __ATOMIC_RELAXED); }
+static void ms_init_once(void) { pthread_atfork(NULL, NULL, ms_atfork_child); }
+
+static uint64_t ms_ld(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+static void ms_st(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+
+static int ms_bound(const ms_region *r) {
+    return __atomic_load_n(&r->forkgen, __ATOMIC_ACQUIRE) == __atomic_load_n(&ms_forkgen, __ATOMIC_RELAXED);
+}
+
+/* 1 if some other process holds the slot's liveness lock (or the test cannot be made). */
+static int ms_slot_alive(int fd, int i) {
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
+    if (fcntl(fd, F_GETLK, &fl) != 0) return 1;
+    return fl.l_type != F_UNLCK;
+}
+
+/* Rebuild the totals from the claimed slots (after a lock owner died mid-update). */
+static void ms_recompute(ms_hdr *h) {
+    for (int d = 0; d < MS_MAX_DEVICES; d++) ms_st(&h->used[d], ms_slot_sum(h, d));
+}
+
+static void ms_release_slot(ms_hdr *h, int i) {
+    ms_slot *s = &h->slot[i];
+    for (int d = 0; d < MS_MAX_DEVICES; d++) {
+        uint64_t u = ms_ld(&s->used[d]), t = ms_ld(&h->used[d]);
+        if (u == 0) continue;
+        ms_st(&h->used[d], t - (u < t ? u : t));
+        ms_st(&s->used[d], 0);
+    }
+    __atomic_store_n(&s->state, MS_SLOT_FREE, __ATOMIC_RELEASE);
+}
+
+/* Under the mutex. */
+static int ms_reclaim_locked(ms_region *r) {
+    ms_hdr *h = r->hdr;
+    int mine = ms_bound(r) ? r->slot : -1, n = 0;
+    for (int i = 0; i < MS_SLOTS; i++) {
+        if (i == mine || h->slot[i].state != MS_SLOT_CLAIMED) continue;
+        if (ms_slot_alive(r->fd, i)) continue;
+        ms_release_slot(h, i);
+        n++;
+    }
+    if (n) __atomic_add_fetch(&h->reclaimed, (uint64_t)n, __ATOMIC_RELAXED);
+    return n;
+}
+
+static int ms_lock(ms_region *r) {
+    int rc = pthread_mutex_lock(&r->hdr->mutex.m);
+    if (rc == EOWNERDEAD) {
+        ms_recompute(r->hdr);
+        __atomic_add_fetch(&r->hdr->recoveries, 1, __ATOMIC_RELAXED);
+        rc = pthread_mutex_consistent(&r->hdr->mutex.m);
+    }
+    return rc;
+}
+
+static void ms_unlock(ms_region *r) {
+#ifdef MS_REGION_PARANOID /* test builds: check the invariant at every unlock */
+    char why[256];
+    if (ms_check_totals(r->hdr, "(paranoid check)", why, sizeof why) != 0) {
+        fprintf(stderr, "mpsshim: %s\n", why);
+        abort();
+    }
+#endif
+    pthread_mutex_unlock(&r->hdr->mutex.m);
+}
+
+/* Under the mutex: take a free slot whose liveness lock we can get. */
+static int ms_claim_locked(ms_region *r) {
+    ms_hdr *h = r->hdr;
+    for (int i = 0; i < MS_SLOTS; i++) {
+        if (h->slot[i].state != MS_SLOT_FREE) continue;
+        struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
+        if (fcntl(r->fd, F_SETLK, &fl) != 0) continue; /* a dying process still holds it */
+        ms_slot *s = &h->slot[i];
+        for (int d = 0; d < MS_MAX_DEVICES; d++) ms_st(&s->used[d], 0);
+        s->pid = (int32_t)getpid();
+        __atomic_store_n(&s->state, MS_SLOT_CLAIMED, __ATOMIC_RELEASE);
+        r->slot = i;
+        __atomic_store_n(&r->forkgen, __atomic_load_n(&ms_forkgen, __ATOMIC_RELAXED), __ATOMIC_RELEASE);
+        return 0;
+    }
+    return -1;
+}
+
+/* A forked child's first use of an inherited handle: claim a slot of its own. */
+static int ms_rebind(ms_region *r) {
+    if (ms_lock(r) != 0) return -1;
+    int rc = 0;
+    if (!ms_bound(r)) {
+        rc = ms_claim_locked(r);
+        if (rc != 0 && ms_reclaim_locked(r) > 0) rc = ms_claim_locked(r);
+    }
+    ms_unlock(r);
+    return rc;
+}
+
+int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use) {
+    if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return MS_ERROR;
+    if (!ms_bound(r) && ms_rebind(r) != 0) return MS_ERROR;
+    if (ms_lock(r) != 0) return MS_ERROR;
+    ms_hdr *h = r->hdr;
+    ms_st(&h->cap[dev], cap);
+    uint64_t used = ms_ld(&h->used[dev]);
+    if (bytes > cap || used > cap - bytes) {
+        if (ms_reclaim_locked(r) > 0) used = ms_ld(&h->used[dev]);
+        if (bytes > cap || used > cap - bytes) {
+            ms_unlock(r);
+            if (in_use) *in_use = used;
+            return MS_OVER_CAP;
+        }
+    }
+    uint64_t *mine = &h->slot[r->slot].used[dev];
+    ms_st(mine, ms_ld(mine) + bytes);
+    ms_st(&h->used[dev], used + bytes);
+    ms_unlock(r);
+    if (in_use) *in_use = used + bytes;
+    return MS_OK;
+}
+
+uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes) {
+    if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return bytes;
+    if (!ms_bound(r) && ms_rebind(r) != 0) return bytes;
+    if (ms_lock(r) != 0) return bytes;
+    ms_hdr *h = r->hdr;
+    uint64_t *mine = &h->slot[r->slot].used[dev];
+    uint64_t have = ms_ld(mine), take = bytes < have ? bytes : have, total = ms_ld(&h->used[dev]);
+    ms_st(mine, have - take);
+    ms_st(&h->used[dev], total - (take < total ? take : total));
+    if (take < bytes) __atomic_add_fetch(&h->clamped, 1, __ATOMIC_RELAXED);
+    ms_unlock(r);
+    return bytes - take;
+}
+
+uint64_t ms_region_used(const ms_region *r, int dev) {
+    if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return 0;
+    return ms_ld(&r->hdr->used[dev]);
+}
+
+int ms_region_reclaim(ms_region *r) {
+    if (r == NULL || ms_lock(r) != 0) return 0;
+    int n = ms_reclaim_locked(r);
+    ms_unlock(r);
+    return n;
+}
+
+/* --- opening --- */
+
+static int ms_create(const char *path, char *err, size_t errlen) {
+    static unsigned long seq;
+    char tmp[4096];
+    int n = snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%lu", path, (long)getpid(),
+                     __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
+    if (n < 0 || (size_t)n >= sizeof tmp) {
+        snprintf(err, errlen, "region path %.200s is too long", path);
+        return -1;
+    }
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666); /* the umask applies */
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot create region %.200s: %s", tmp, strerror(errno));
+        return -1;
+    }
+    int rc = -1;
+    void *map = MAP_FAILED;
+    if (ftruncate(fd, (off_t)sizeof(ms_hdr)) != 0) {
+        snprintf(err, errlen, "cannot size region %.200s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    map = mmap(NULL, sizeof(ms_hdr), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map region %.200s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    ms_hdr *h = map;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    int mrc = pthread_mutex_init(&h->mutex.m, &a);
+    pthread_mutexattr_destroy(&a);
+    if (mrc != 0) {
+        snprintf(err, errlen, "cannot initialise the region lock: %s", strerror(mrc));
+        goto out;
+    }
+    ms_layout_fill(h);
+    if (link(tmp, path) != 0 && errno != EEXIST) { /* EEXIST: another process won the race */
+        snprintf(err, errlen, "cannot publish region %.200s: %s", path, strerror(errno));
+        goto out;
+    }
+    rc = 0;
+out:
+    if (map != MAP_FAILED) munmap(map, sizeof(ms_hdr));
+    unlink(tmp);
+    close(fd);
+    return rc;
+}
+
+/* Open (creating if missing) and validate; returns the fd and mapping. */
+static int ms_map(const char *path, int writable, int *fdp, ms_hdr **hp, char *err, size_t errlen) {
+    int fd = -1;
+    for (int attempt = 0; fd < 0; attempt++) {
+        fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+        if (fd >= 0) break;
+        if (errno != ENOENT || !writable || attempt == 3) {
+            snprintf(err, errlen, "cannot open region %.200s: %s", path, strerror(errno));
+            return -1;
+        }
+        if (ms_create(path, err, errlen) != 0) return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "region %.200s is not a regular file", path);
+        close(fd);
+        return -1;
+    }
+    if ((uint64_t)st.st_size != sizeof(ms_hdr)) {
+        snprintf(err, errlen,
+                 "region %.200s is %lld bytes, expected %zu (truncated, or not written by this shim's layout %d)",
+                 path, (long long)st.st_size, sizeof(ms_hdr), MS_LAYOUT_VERSION);
+        close(fd);
+        return -1;
+    }
+    void *map = mmap(NULL, sizeof(ms_hdr), PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map region %.200s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    if (ms_layout_check(map, path, err, errlen) != 0) {
+        munmap(map, sizeof(ms_hdr));
+        close(fd);
+        return -1;
+    }
+    *fdp = fd;
+    *hp = map;
+    return 0;
+}
+
+static ms_region *ms_reg_find(const char *path) {
+    struct stat st;
+    if (stat(path, &st) != 0) return NULL;
+    for (ms_region *r = ms_reg_head; r; r = r->next)
+        if (r->st_dev == st.st_dev && r->st_ino == st.st_ino) return r;
+    return NULL;
+}
+
+int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen) {
+    char dummy[1];
+    if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
+    err[0] = '\0';
+    if (path == NULL || path[0] == '\0' || out == NULL) {
+        snprintf(err, errlen, "no region path given");
+        return -1;
+    }
+    pthread_once(&ms_once, ms_init_once);
+    pthread_mutex_lock(&ms_reg_lock);
+    ms_region *r = ms_reg_find(path);
+    if (r != NULL) {
+        r->refs++;
+        pthread_mutex_unlock(&ms_reg_lock);
+        *out = r;
+        return 0;
+    }
+    r = calloc(1, sizeof *r);
+    struct stat st;
+    if (r == NULL || ms_map(path, 1, &r->fd, &r->hdr, err, errlen) != 0) {
+        if (r == NULL) snprintf(err, errlen, "out of memory opening region %.200s", path);
+        free(r);
+        pthread_mutex_unlock(&ms_reg_lock);
+        return -1;
+    }
+    fstat(r->fd, &st);
+    r->st_dev = st.st_dev;
+    r->st_ino = st.st_ino;
+    r->refs = 1;
+    r->slot = -1;
+    r->forkgen = ~0UL;
+    int rc = ms_lock(r);
+    if (rc == 0) {
+        rc = ms_check_totals(r->hdr, path, err, errlen);
+        if (rc == 0) {
+            ms_reclaim_locked(r);
+            rc = ms_claim_locked(r);
+            if (rc != 0)
+                snprintf(err, errlen, "region %.200s: all %d process slots are held by live processes", path, MS_SLOTS);
+        }
+        pthread_mutex_unlock(&r->hdr->mutex.m);
+    } else {
+        snprintf(err, errlen, "region %.200s: its lock is unusable (%s); the file is corrupted", path, strerror(rc));
+    }
+    if (rc != 0) {
+        munmap(r->hdr, sizeof(ms_hdr));
+        close(r->fd);
+        free(r);
+        pthread_mutex_unlock(&ms_reg_lock);
+        return -1;
+    }
+    r->next = ms_reg_head;
+    ms_reg_head = r;
+    pthread_mutex_unlock(&ms_reg_lock);
+    *out = r;
+    return 0;
+}
+
+void ms_region_close(ms_region *r) {
+    if (r == NULL) return;
+    pthread_mutex_lock(&ms_reg_lock);
+    if (--r->refs > 0) {
+        pthread_mutex_unlock(&ms_reg_lock);
+        return;
+    }
+    for (ms_region **p = &ms_reg_head; *p; p = &(*p)->next)
+        if (*p == r) {
+            *p = r->next;
+            break;
+        }
+    pthread_mutex_unlock(&ms_reg_lock);
+    if (ms_bound(r) && ms_lock(r) == 0) { /* a forked child never touches its parent's slot */
+        ms_release_slot(r->hdr, r->slot);
+        ms_unlock(r);
+    }
+    munmap(r->hdr, sizeof(ms_hdr));
+    close(r->fd); /* drops the liveness lock */
+    free(r);
+}
+
+/* --- read-only snapshot for tools --- */
+
+int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen) {
+    char dummy[1];
+    if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
+    err[0] = '\0';
+    if (path == NULL || out == NULL) {
+        snprintf(err, errlen, "no region path given");
+        return -1;
+    }
+    memset(out, 0, sizeof *out);
+    /* If this process has the region open, read through that mapping: opening and closing a
+     * second descriptor would drop this process's liveness lock. */
+    pthread_mutex_lock(&ms_reg_lock);
+    ms_region *own = ms_reg_find(path);
+    int fd = -1, own_slot = -1;
+    ms_hdr *h;
+    if (own != NULL) {
+        fd = own->fd, h = own->hdr, own_slot = ms_bound(own) ? own->slot : -1;
+    } else if (ms_map(path, 0, &fd, &h, err, errlen) != 0) {
+        pthread_mutex_unlock(&ms_reg_lock);
+        return -1;
+    }
+    out->version = h->version;
+    for (int d = 0; d < MS_MAX_DEVICES; d++) {
+        out->cap[d] = ms_ld(&h->cap[d]);
+        out->used[d] = ms_ld(&h->used[d]);
+    }
+    for (int i = 0; i < MS_SLOTS && out->nprocs < MS_SNAPSHOT_MAX_PROCS; i++) {
+        if (__atomic_load_n(&h->slot[i].state, __ATOMIC_ACQUIRE) != MS_SLOT_CLAIMED) continue;
+        ms_proc_usage *p = &out->procs[out->nprocs++];
+        p->pid = h->slot[i].pid;
+        p->alive = (i == own_slot) ? 1 : ms_slot_alive(fd, i);
+        for (int d = 0; d < MS_MAX_DEVICES; d++) p->used[d] = ms_ld(&h->slot[i].used[d]);
+    }
+    if (own == NULL) {
+        munmap(h, sizeof(ms_hdr));
+        close(fd);
+    }
+    pthread_mutex_unlock(&ms_reg_lock);
+    return 0;
+}

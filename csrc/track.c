@@ -1,0 +1,148 @@
+/* Allocation tracker (contract in track.h): (kind, key) -> (device, bytes).
+ *
+ * 64 shards chosen by the top bits of a 64-bit mix of the key, each an open-addressing table
+ * with linear probing and tombstones, guarded by its own small spinlock: threads that free
+ * different pointers rarely meet. A shard grows (doubling, or rehashing in place when it is
+ * mostly tombstones) once live entries plus tombstones pass 3/4 of it, so probes stay short
+ * and no operation scans more than a cluster. Lock hold times are a few dozen instructions,
+ * hence a spinlock that yields after a while rather than a futex. An atfork handler holds
+ * every shard across fork so a child never inherits a lock taken by a thread that is gone. */
+#include "track.h"
+
+#include <sched.h>
+#include <stdlib.h>
+#include <pthread.h>
+
+#define MS_SHARD_BITS 6
+#define MS_SHARDS (1 << MS_SHARD_BITS)
+#define MS_SHARD_MIN 64
+
+enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2 };
+
+typedef struct ms_entry {
+    uint64_t key;
+    uint64_t bytes;
+    int32_t dev;
+    uint8_t state;
+    uint8_t kind;
+} ms_entry;
+
+typedef struct ms_shard {
+    int lock;
+    uint32_t cap; /* power of two, or 0 before the first add */
+    uint32_t live, tombs;
+    ms_entry *e;
+} __attribute__((aligned(64))) ms_shard;
+
+static ms_shard ms_shards[MS_SHARDS];
+
+static inline void ms_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void ms_spin_lock(int *l) {
+    for (unsigned n = 0;; n++) {
+        if (__atomic_load_n(l, __ATOMIC_RELAXED) == 0 && !__atomic_exchange_n(l, 1, __ATOMIC_ACQUIRE)) return;
+        if (n >= 64) sched_yield();
+        else ms_cpu_relax();
+    }
+}
+
+static void ms_spin_unlock(int *l) { __atomic_store_n(l, 0, __ATOMIC_RELEASE); }
+
+static void ms_track_prefork(void) {
+    for (int i = 0; i < MS_SHARDS; i++) ms_spin_lock(&ms_shards[i].lock);
+}
+
+static void ms_track_postfork(void) {
+    for (int i = MS_SHARDS - 1; i >= 0; i--) ms_spin_unlock(&ms_shards[i].lock);
+}
+
+__attribute__((constructor)) static void ms_track_init(void) {
+    pthread_atfork(ms_track_prefork, ms_track_postfork, ms_track_postfork);
+}
+
+static uint64_t ms_mix(int kind, uint64_t key) {
+    uint64_t x = key ^ ((uint64_t)(kind + 1) * 0x9e3779b97f4a7c15ULL);
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+/* Slot of (kind, key) if present, else -1. */
+static int64_t ms_find(const ms_shard *s, int kind, uint64_t key, uint64_t h) {
+    if (s->cap == 0) return -1;
+    uint32_t mask = s->cap - 1;
+    for (uint32_t i = (uint32_t)h & mask, n = 0; n < s->cap; i = (i + 1) & mask, n++) {
+        const ms_entry *e = &s->e[i];
+        if (e->state == MS_E_EMPTY) return -1;
+        if (e->state == MS_E_FULL && e->key == key && e->kind == kind) return i;
+    }
+    return -1;
+}
+
+static void ms_put(ms_entry *tab, uint32_t cap, const ms_entry *src, uint64_t h) {
+    uint32_t mask = cap - 1, i = (uint32_t)h & mask;
+    while (tab[i].state == MS_E_FULL) i = (i + 1) & mask;
+    tab[i] = *src;
+    tab[i].state = MS_E_FULL;
+}
+
+static int ms_grow(ms_shard *s) {
+    uint32_t cap = s->cap == 0 ? MS_SHARD_MIN : (s->live * 2 >= s->cap / 2 ? s->cap * 2 : s->cap);
+    if (cap < s->cap) return -1; /* 2^32 entries in one shard: give up rather than wrap */
+    ms_entry *tab = calloc(cap, sizeof *tab);
+    if (tab == NULL) return -1;
+    for (uint32_t i = 0; i < s->cap; i++)
+        if (s->e[i].state == MS_E_FULL) ms_put(tab, cap, &s->e[i], ms_mix(s->e[i].kind, s->e[i].key));
+    free(s->e);
+    s->e = tab;
+    s->cap = cap;
+    s->tombs = 0;
+    return 0;
+}
+
+int ms_track_add(int kind, uint64_t key, int dev, uint64_t bytes) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    int rc = 0;
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find(s, kind, key, h);
+    if (at >= 0) { /* the driver reused a live key: the newest allocation wins */
+        s->e[at].dev = dev;
+        s->e[at].bytes = bytes;
+    } else if ((uint64_t)(s->live + s->tombs + 1) * 4 > (uint64_t)s->cap * 3 && ms_grow(s) != 0) {
+        rc = -1;
+    } else {
+        uint32_t mask = s->cap - 1, i = (uint32_t)h & mask;
+        while (s->e[i].state == MS_E_FULL) i = (i + 1) & mask;
+        if (s->e[i].state == MS_E_TOMB) s->tombs--;
+        s->e[i] = (ms_entry){.key = key, .bytes = bytes, .dev = dev, .state = MS_E_FULL, .kind = (uint8_t)kind};
+        s->live++;
+    }
+    ms_spin_unlock(&s->lock);
+    return rc;
+}
+
+int ms_track_remove(int kind, uint64_t key, int *dev, uint64_t *bytes) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find(s, kind, key, h);
+    if (at >= 0) {
+        ms_entry *e = &s->e[at];
+        if (dev) *dev = e->dev;
+        if (bytes) *bytes = e->bytes;
+        e->state = MS_E_TOMB;
+        s->live--;
+        s->tombs++;
+    }
+    ms_spin_unlock(&s->lock);
+    return at >= 0;
+}
