@@ -1,0 +1,270 @@
+"""The kubelet device plugin: GPUs cut into slices, handed to containers with MPS limits.
+
+Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
+
+    run_plugin(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None)
+
+- ``config``: a ``mpsd.config.DevicePluginConfig`` (or the whole ``Config``, whose
+  ``device_plugin`` and ``state_dir`` are then used): resource_name, slices_per_gpu,
+  kubelet_dir, pod_resources_socket, region_dir, shim_host_dir, ipc_mode, shm_dir.
+- ``pipe_dir``: the MPS pipe directory, mounted into pods at the same path.
+- ``gpus``: inventory GPUs (``index``, ``uuid``, ``memory_total`` in bytes).
+- ``board``: the supervisor's HealthBoard; slices are Unhealthy while the daemon is down or
+  not configured, or their GPU is faulted, and Healthy again when it recovers.
+- ``metrics``: ``mpsd.metrics.Metrics`` or None; per-allocation usage goes to
+  ``metrics.set_allocations`` every ``usage_interval`` seconds.
+- ``shim_library``: path of libmpsshim.so, installed atomically into shim_host_dir.
+- ``stop``: blocks until this event is set, then shuts down (ListAndWatch streams end).
+- ``state_dir``: where ``device-plugin-state.json`` lives (default: config.state_dir for a
+  whole Config, else the parent of region_dir).
+
+Raises PluginError when it cannot start (shim missing, socket directory unusable). Tests
+construct ``DevicePlugin`` directly with explicit paths.
+
+Modules: ``slicing`` (pure arithmetic), ``response`` (env and mounts), ``servicer`` (gRPC
+service), ``kubelet`` (Registration and pod-resources clients), ``state`` (allocations on
+disk), ``usage`` (labels, garbage collection, metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent import futures
+from typing import Sequence
+
+import grpc
+
+from ..errors import PluginError
+from ..health import HealthBoard
+from . import api_pb2_grpc
+from .kubelet import KUBELET_SOCKET, register, socket_identity
+from .response import SHIM_NAME, HostPaths
+from .servicer import Servicer
+from .slicing import GpuLike, advertised_ids
+from .state import StateStore, install_file
+from .usage import UsageReader, UsageTracker, shim_usage
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "device-plugin-state.json"
+
+__all__ = ["DevicePlugin", "run_plugin", "socket_name_for"]
+
+
+def socket_name_for(resource_name: str) -> str:
+    """Our socket's file name in kubeletDir: ``mpsd.io/gpu`` -> ``mpsd-mpsd.io_gpu.sock``."""
+    return "mpsd-" + resource_name.replace("/", "_") + ".sock"
+
+
+class DevicePlugin:
+    def __init__(
+        self,
+        *,
+        gpus: Sequence[GpuLike],
+        resource_name: str,
+        slices_per_gpu: int,
+        kubelet_dir: str,
+        paths: HostPaths,
+        state_path: str,
+        board: HealthBoard,
+        shim_library: str | None = None,
+        pod_resources_socket: str | None = None,
+        metrics: object | None = None,
+        usage_reader: UsageReader = shim_usage,
+        socket_name: str | None = None,
+        poll_interval: float = 0.5,
+        usage_interval: float = 10.0,
+        gc_grace: float = 60.0,
+        register_timeout: float = 5.0,
+        wake_interval: float = 0.5,
+    ) -> None:
+        advertised_ids(gpus, slices_per_gpu)  # validates N and the ID lengths up front
+        self.gpus = list(gpus)
+        self.resource_name = resource_name
+        self.slices_per_gpu = slices_per_gpu
+        self.kubelet_dir = kubelet_dir
+        self.paths = paths
+        self.board = board
+        self.shim_library = shim_library
+        self.socket_name = socket_name or socket_name_for(resource_name)
+        self.socket_path = os.path.join(kubelet_dir, self.socket_name)
+        self.kubelet_socket = os.path.join(kubelet_dir, KUBELET_SOCKET)
+        self.poll_interval = poll_interval
+        self.usage_interval = usage_interval
+        self.register_timeout = register_timeout
+        self.store = StateStore(state_path)
+        self.tracker = UsageTracker(
+            store=self.store,
+            region_root=paths.region_dir,
+            resource_name=resource_name,
+            pod_resources_socket=pod_resources_socket,
+            metrics=metrics,
+            usage_reader=usage_reader,
+            gc_grace=gc_grace,
+        )
+        self._stop = threading.Event()
+        self.servicer = Servicer(
+            gpus=self.gpus,
+            slices_per_gpu=slices_per_gpu,
+            board=board,
+            paths=paths,
+            store=self.store,
+            stop=self._stop,
+            wake_interval=wake_interval,
+        )
+        self._server: grpc.Server | None = None
+        self._served: tuple[int, int] | None = None
+        self._registered_with: tuple[int, int] | None = None
+        self._last_register_error = ""
+        self._threads: list[threading.Thread] = []
+        self.registrations = 0  # successful Register calls, for tests and logs
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.shim_library:
+            dest = install_file(self.shim_library, self.paths.shim_host_dir, SHIM_NAME)
+            log.info("shim installed source=%s dest=%s", self.shim_library, dest)
+        for allocation in self.store.load().values():
+            if not os.path.isdir(allocation.region_dir):
+                log.warning("region directory missing, re-creating allocation=%s path=%s", allocation.allocation_id, allocation.region_dir)
+                os.makedirs(allocation.region_dir, exist_ok=True)
+                os.chmod(allocation.region_dir, 0o777)
+        self._serve()
+        self.check()
+        for name, target in (("mpsd-plugin-watch", self._watch_loop), ("mpsd-plugin-usage", self._usage_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info(
+            "device plugin started resource=%s socket=%s gpus=%d slices_per_gpu=%d allocations=%d",
+            self.resource_name, self.socket_path, len(self.gpus), self.slices_per_gpu, len(self.store.all()),
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads.clear()
+        self._stop_server()
+        log.info("device plugin stopped resource=%s", self.resource_name)
+
+    def run(self, stop: threading.Event) -> None:
+        self.start()
+        try:
+            stop.wait()
+        finally:
+            self.stop()
+
+    # -- one round of the watchdog (tests call it directly) -------------------------------
+
+    def check(self) -> None:
+        """Re-create our socket if it was deleted; (re-)register when the kubelet's socket is new."""
+        if socket_identity(self.socket_path) != self._served:
+            log.warning("plugin socket missing or replaced, serving again path=%s", self.socket_path)
+            self._serve()
+            self._registered_with = None
+        kubelet = socket_identity(self.kubelet_socket)
+        if kubelet is None:
+            if self._registered_with is not None:
+                log.warning("kubelet socket gone, waiting for it path=%s", self.kubelet_socket)
+            self._registered_with = None
+            return
+        if kubelet == self._registered_with:
+            return
+        try:
+            register(self.kubelet_socket, endpoint=self.socket_name, resource_name=self.resource_name, timeout=self.register_timeout)
+        except PluginError as exc:
+            if str(exc) != self._last_register_error:
+                log.warning("%s (retrying every %.1fs)", exc, self.poll_interval)
+            self._last_register_error = str(exc)
+            return
+        self._registered_with = kubelet
+        self._last_register_error = ""
+        self.registrations += 1
+        log.info("registered with kubelet resource=%s endpoint=%s count=%d", self.resource_name, self.socket_name, self.registrations)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self.check()
+            except Exception:  # the watchdog must outlive any one failure
+                log.exception("device plugin watchdog round failed")
+
+    def _usage_loop(self) -> None:
+        while True:
+            try:
+                self.tracker.tick()
+            except Exception:
+                log.exception("device plugin usage round failed")
+            if self._stop.wait(self.usage_interval):
+                return
+
+    def _serve(self) -> None:
+        self._stop_server()
+        try:
+            os.makedirs(self.kubelet_dir, exist_ok=True)
+            if os.path.lexists(self.socket_path):
+                os.unlink(self.socket_path)
+        except OSError as exc:
+            raise PluginError(f"cannot prepare plugin socket {self.socket_path}: {exc.strerror or exc}") from exc
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpsd-plugin-rpc"))
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        if server.add_insecure_port("unix://" + os.path.abspath(self.socket_path)) == 0:
+            raise PluginError(f"cannot listen on plugin socket {self.socket_path}")
+        server.start()
+        self._server = server
+        self._served = socket_identity(self.socket_path)
+        log.info("serving DevicePlugin socket=%s", self.socket_path)
+
+    def _stop_server(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait()
+            self._server = None
+            try:
+                if socket_identity(self.socket_path) == self._served:
+                    os.unlink(self.socket_path)
+            except OSError:
+                pass
+            self._served = None
+
+
+def run_plugin(
+    config,
+    *,
+    pipe_dir: str,
+    gpus: Sequence[GpuLike],
+    board: HealthBoard,
+    metrics: object | None,
+    shim_library: str,
+    stop: threading.Event,
+    state_dir: str | None = None,
+) -> None:
+    """Serve the device plugin until ``stop`` is set (see the module docstring)."""
+    dp = getattr(config, "device_plugin", config)
+    if state_dir is None:
+        state_dir = getattr(config, "state_dir", None) or os.path.dirname(os.path.abspath(dp.region_dir))
+    paths = HostPaths(
+        pipe_dir=pipe_dir,
+        region_dir=dp.region_dir,
+        shim_host_dir=dp.shim_host_dir,
+        ipc_mode=dp.ipc_mode,
+        shm_dir=dp.shm_dir,
+    )
+    plugin = DevicePlugin(
+        gpus=gpus,
+        resource_name=dp.resource_name,
+        slices_per_gpu=dp.slices_per_gpu,
+        kubelet_dir=dp.kubelet_dir,
+        paths=paths,
+        state_path=os.path.join(state_dir, STATE_FILE),
+        board=board,
+        shim_library=shim_library,
+        pod_resources_socket=dp.pod_resources_socket or None,
+        metrics=metrics,
+    )
+    plugin.run(stop)

@@ -1,0 +1,70 @@
+"""What a container gets from Allocate: environment and mounts, as a pure function of its plan.
+
+Paths inside the container are fixed by the configuration contract; host paths come from
+the configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..clientenv import client_env
+from ..errors import PluginError
+from . import api_pb2
+from .slicing import Plan
+
+CONTAINER_REGION_DIR = "/run/mpsd"
+CONTAINER_REGION = "/run/mpsd/region"
+CONTAINER_SHIM_DIR = "/run/mpsd-shim"
+SHIM_NAME = "libmpsshim.so"
+CONTAINER_SHIM = f"{CONTAINER_SHIM_DIR}/{SHIM_NAME}"
+IPC_MODES = ("hostIPC", "tmpfs")
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    pipe_dir: str
+    region_dir: str  # parent: one subdirectory per allocation
+    shim_host_dir: str
+    ipc_mode: str = "hostIPC"
+    shm_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ipc_mode not in IPC_MODES:
+            raise PluginError(f"bad ipcMode {self.ipc_mode!r}: expected one of {', '.join(IPC_MODES)}")
+        if self.ipc_mode == "tmpfs" and not self.shm_dir:
+            raise PluginError("ipcMode tmpfs needs shmDir: expected a host directory (a tmpfs shared with the daemon)")
+
+    def allocation_dir(self, allocation_id: str) -> str:
+        return os.path.join(self.region_dir, allocation_id)
+
+
+def container_env(plan: Plan, pipe_dir: str) -> dict[str, str]:
+    env = client_env(
+        pipe_dir=pipe_dir,
+        active_thread_percentage=plan.active_thread_percentage,
+        memory_limits=dict(plan.memory_limits),
+        shim_library=CONTAINER_SHIM,
+        region_path=CONTAINER_REGION,
+    )
+    env["NVIDIA_VISIBLE_DEVICES"] = plan.visible_devices
+    env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+    return env
+
+
+def container_mounts(plan: Plan, paths: HostPaths) -> list[api_pb2.Mount]:
+    mounts = [
+        api_pb2.Mount(container_path=paths.pipe_dir, host_path=paths.pipe_dir, read_only=False),
+        api_pb2.Mount(
+            container_path=CONTAINER_REGION_DIR, host_path=paths.allocation_dir(plan.allocation_id), read_only=False
+        ),
+        api_pb2.Mount(container_path=CONTAINER_SHIM_DIR, host_path=paths.shim_host_dir, read_only=True),
+    ]
+    if paths.ipc_mode == "tmpfs":
+        mounts.append(api_pb2.Mount(container_path="/dev/shm", host_path=paths.shm_dir, read_only=False))
+    return mounts
+
+
+def container_response(plan: Plan, paths: HostPaths) -> api_pb2.ContainerAllocateResponse:
+    return api_pb2.ContainerAllocateResponse(envs=container_env(plan, paths.pipe_dir), mounts=container_mounts(plan, paths))

@@ -1,0 +1,151 @@
+"""The DevicePlugin gRPC service the kubelet calls: options, device list, preferred allocation,
+Allocate. Pure work is delegated to slicing and response; this module translates PluginError
+into gRPC status codes and records allocations."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Sequence
+
+import grpc
+
+from ..errors import PluginError
+from ..health import HealthBoard, HealthState
+from . import api_pb2, api_pb2_grpc
+from .response import HostPaths, container_response
+from .slicing import GpuLike, Plan, plan_allocation, preferred_allocation, slice_id
+from .state import Allocation, StateStore
+
+log = logging.getLogger(__name__)
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+def device_list(gpus: Sequence[GpuLike], slices_per_gpu: int, state: HealthState) -> list[tuple[str, str]]:
+    """(device ID, health) for every slice: a slice is as healthy as its GPU on the board."""
+    return [
+        (slice_id(g.uuid, k), HEALTHY if state.gpu_healthy(g.index) else UNHEALTHY)
+        for g in sorted(gpus, key=lambda g: g.index)
+        for k in range(slices_per_gpu)
+    ]
+
+
+class Servicer(api_pb2_grpc.DevicePluginServicer):
+    def __init__(
+        self,
+        *,
+        gpus: Sequence[GpuLike],
+        slices_per_gpu: int,
+        board: HealthBoard,
+        paths: HostPaths,
+        store: StateStore,
+        stop: threading.Event,
+        wake_interval: float = 0.5,
+    ) -> None:
+        self.gpus = sorted(gpus, key=lambda g: g.index)
+        self.slices_per_gpu = slices_per_gpu
+        self.board = board
+        self.paths = paths
+        self.store = store
+        self.stop = stop
+        self.wake_interval = wake_interval
+        self._gpu_order = [g.uuid for g in self.gpus]
+        self._record_lock = threading.Lock()
+
+    def GetDevicePluginOptions(self, request, context):
+        return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request, context):
+        """The full list at once, then again whenever a slice's health changes; ends on stop."""
+        state = self.board.current()
+        last = None
+        while True:
+            devices = device_list(self.gpus, self.slices_per_gpu, state)
+            if devices != last:
+                unhealthy = sum(1 for _, h in devices if h == UNHEALTHY)
+                log.info("ListAndWatch send devices=%d unhealthy=%d generation=%d", len(devices), unhealthy, state.generation)
+                yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=i, health=h) for i, h in devices])
+                last = devices
+            # Wakes on a board change; the timeout only lets a stop or a cancelled stream end.
+            while not self.stop.is_set() and context.is_active():
+                newer = self.board.wait_change(state.generation, timeout=self.wake_interval)
+                if newer.generation != state.generation:
+                    state = newer
+                    break
+            else:
+                log.info("ListAndWatch stream ends stop=%s active=%s", self.stop.is_set(), context.is_active())
+                return
+
+    def GetPreferredAllocation(self, request, context):
+        response = api_pb2.PreferredAllocationResponse()
+        for creq in request.container_requests:
+            try:
+                chosen = preferred_allocation(
+                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size, self._gpu_order
+                )
+            except PluginError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            log.debug("preferred allocation size=%d chosen=%s", creq.allocation_size, ",".join(chosen))
+            response.container_responses.add(deviceIDs=chosen)
+        return response
+
+    def Allocate(self, request, context):
+        response = api_pb2.AllocateResponse()
+        try:
+            plans = [plan_allocation(list(c.devices_ids), self.gpus, self.slices_per_gpu) for c in request.container_requests]
+            for plan in plans:
+                self.record(plan)
+                response.container_responses.append(container_response(plan, self.paths))
+        except PluginError as exc:
+            log.error("Allocate refused error=%s", exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return response
+
+    def PreStartContainer(self, request, context):
+        return api_pb2.PreStartContainerResponse()
+
+    def record(self, plan: Plan) -> Allocation:
+        """Create the allocation's region directory (mode 0777) and remember it on disk."""
+        directory = self.paths.allocation_dir(plan.allocation_id)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            os.chmod(directory, 0o777)  # any container UID writes its accounting region here
+        except OSError as exc:
+            raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+        if plan.spans_gpus:
+            log.warning(
+                "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
+                "(one MPS percentage per client: the largest is used)",
+                plan.allocation_id,
+                plan.visible_devices,
+                plan.memory_limits,
+                plan.active_thread_percentage,
+            )
+        with self._record_lock:
+            existing = self.store.get(plan.allocation_id)
+            if existing is not None:
+                log.info("Allocate again allocation=%s devices=%s", plan.allocation_id, ",".join(plan.device_ids))
+                return existing
+            allocation = Allocation(
+                allocation_id=plan.allocation_id,
+                device_ids=plan.device_ids,
+                gpus=tuple(g.uuid for g in plan.gpus),
+                memory_limits=plan.memory_limits,
+                active_thread_percentage=plan.active_thread_percentage,
+                region_dir=directory,
+                created=time.time(),
+            )
+            self.store.put(allocation)
+        log.info(
+            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s",
+            plan.allocation_id,
+            ",".join(plan.device_ids),
+            plan.memory_limits,
+            plan.active_thread_percentage,
+        )
+        return allocation
+

@@ -1,0 +1,171 @@
+"""Per-pod bookkeeping: who holds each allocation (pod-resources API), stale allocations
+garbage-collected, and per-allocation memory use and limit for the metrics.
+
+The pure part (``reconcile``, ``usage_rows``) decides; ``UsageTracker`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from ..errors import MpsdError
+from .kubelet import Holder, list_holders
+from .state import Allocation, StateStore
+
+log = logging.getLogger(__name__)
+
+UsageReader = Callable[[str], Mapping[int, int]]  # region file -> bytes used per ordinal
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    keep: list[Allocation]  # with labels from the pod-resources API where known
+    stale: list[Allocation]
+
+
+def reconcile(
+    allocations: Iterable[Allocation],
+    holders: Mapping[frozenset[str], Holder] | None,
+    now: float,
+    grace: float,
+) -> Reconciled:
+    """Label allocations with their container; an allocation whose device IDs no container
+    holds any more is stale, unless younger than ``grace`` seconds (the kubelet lists a
+    container only after Allocate returned). Without the API (``holders`` None) nothing is
+    stale and labels stay as they were."""
+    keep: list[Allocation] = []
+    stale: list[Allocation] = []
+    for a in allocations:
+        if holders is None:
+            keep.append(a)
+            continue
+        holder = holders.get(frozenset(a.device_ids))
+        if holder is not None:
+            keep.append(a.labelled(holder.pod, holder.namespace, holder.container))
+        elif now - a.created < grace:
+            keep.append(a)
+        else:
+            stale.append(a)
+    return Reconciled(keep, stale)
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """The fields of mpsd.metrics.AllocationUsage, in its order."""
+
+    allocation_id: str
+    pod: str
+    namespace: str
+    container: str
+    gpu: str
+    limit_bytes: int
+    used_bytes: int
+
+
+def usage_rows(allocations: Iterable[Allocation], used: Mapping[str, Mapping[int, int]]) -> list[UsageRow]:
+    """One row per allocation and GPU; ``used`` maps allocation ID -> bytes per ordinal."""
+    rows = []
+    for a in allocations:
+        per_ordinal = used.get(a.allocation_id, {})
+        for ordinal, uuid in enumerate(a.gpus):
+            rows.append(
+                UsageRow(
+                    allocation_id=a.allocation_id,
+                    pod=a.pod,
+                    namespace=a.namespace,
+                    container=a.container,
+                    gpu=uuid,
+                    limit_bytes=a.memory_limits.get(ordinal, 0),
+                    used_bytes=int(per_ordinal.get(ordinal, 0)),
+                )
+            )
+    return rows
+
+
+def shim_usage(region_path: str) -> dict[int, int]:
+    """Bytes in use per device ordinal in a shim region; {} when no process created it yet."""
+    if not os.path.exists(region_path):
+        return {}
+    import shim  # the interposer's Python side; imported late so the plugin starts without it
+
+    return {int(d.device): int(d.used) for d in shim.usage(region_path)}
+
+
+class UsageTracker:
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        region_root: str,
+        resource_name: str,
+        pod_resources_socket: str | None,
+        metrics: object | None,
+        usage_reader: UsageReader = shim_usage,
+        region_name: str = "region",
+        gc_grace: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.region_root = os.path.abspath(region_root)
+        self.resource_name = resource_name
+        self.pod_resources_socket = pod_resources_socket
+        self.metrics = metrics
+        self.usage_reader = usage_reader
+        self.region_name = region_name
+        self.gc_grace = gc_grace
+        self._warned: set[str] = set()
+
+    def tick(self, now: float | None = None) -> list[UsageRow]:
+        """One round: labels, garbage collection, metrics. Returns the rows pushed."""
+        now = time.time() if now is None else now
+        holders = None
+        if self.pod_resources_socket:
+            try:
+                holders = list_holders(self.pod_resources_socket, self.resource_name)
+            except MpsdError as exc:
+                self._warn_once("podresources", "pod-resources unavailable, keeping allocations error=%s", exc)
+        result = reconcile(self.store.all(), holders, now, self.gc_grace)
+        changed = [a for a in result.keep if a != self.store.get(a.allocation_id)]
+        if changed:
+            self.store.put_many(changed)
+        if result.stale:
+            self.collect(result.stale)
+        used = {a.allocation_id: self._read(a) for a in result.keep}
+        rows = usage_rows(result.keep, used)
+        if self.metrics is not None:
+            self.metrics.set_allocations(_as_metrics_rows(rows))
+        return rows
+
+    def collect(self, stale: list[Allocation]) -> None:
+        self.store.remove(a.allocation_id for a in stale)
+        for a in stale:
+            log.info("allocation released allocation=%s devices=%s", a.allocation_id, ",".join(a.device_ids))
+            if os.path.dirname(os.path.abspath(a.region_dir)) == self.region_root:
+                shutil.rmtree(a.region_dir, ignore_errors=True)
+            else:  # never delete outside regionDir, whatever the state file says
+                log.warning("region directory outside regionDir left alone path=%s", a.region_dir)
+
+    def _read(self, a: Allocation) -> Mapping[int, int]:
+        path = os.path.join(a.region_dir, self.region_name)
+        try:
+            return self.usage_reader(path)
+        except Exception as exc:  # a damaged or foreign region must not stop the others
+            self._warn_once(a.allocation_id, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
+            return {}
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+
+def _as_metrics_rows(rows: list[UsageRow]) -> list:
+    try:
+        from ..metrics import AllocationUsage
+    except ImportError:  # metrics module not installed: hand over our rows, same fields
+        return rows
+    return [AllocationUsage(**r.__dict__) for r in rows]
