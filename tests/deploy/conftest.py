@@ -1,0 +1,60 @@
+"""Fixtures for the deploy/ tests: rendered kustomizations and the config they carry."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.kustomize import render
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+# Every kustomization a user can apply, and the IPC mode its config must name.
+KUSTOMIZATIONS = {
+    "deploy": "hostIPC",
+    "deploy/base": "hostIPC",
+    "deploy/overlays/tmpfs": "tmpfs",
+    "deploy/overlays/monitoring": "hostIPC",
+}
+NODE_KUSTOMIZATIONS = list(KUSTOMIZATIONS)
+ALL_KUSTOMIZATIONS = NODE_KUSTOMIZATIONS  # + deploy/sidecar once it exists
+
+
+def kubectl() -> str | None:
+    return shutil.which("kubectl")
+
+
+def kubectl_kustomize(directory: Path) -> list[dict[str, Any]]:
+    proc = subprocess.run([kubectl() or "kubectl", "kustomize", str(directory)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+_CACHE: dict[str, list[dict[str, Any]]] = {}
+
+
+def rendered(name: str) -> list[dict[str, Any]]:
+    """Objects of one kustomization (rendered once per session by tests/deploy/kustomize.py)."""
+    if name not in _CACHE:
+        _CACHE[name] = render(REPO / name)
+    return _CACHE[name]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    hits = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def config_text(objects: list[dict[str, Any]], configmap: str = "mpsd-config") -> str:
+    return one(objects, "ConfigMap", configmap)["data"]["config.yaml"]
+
+
+@pytest.fixture(params=NODE_KUSTOMIZATIONS)
+def node_kustomization(request: pytest.FixtureRequest) -> str:
+    return request.param
