@@ -331,10 +331,10 @@ def _show(value: Any) -> str:
 
 def describe(config: Config) -> str:
     """One log line with every resolved setting."""
-    return " ".join(f"{s.key}={_format(config, s.key)}" for s in SETTINGS)
+    return " ".join(f"{s.key}={format_value(config, s.key)}" for s in SETTINGS)
 
 
-def _format(config: Config, key: str) -> str:
+def format_value(config: Config, key: str) -> str:
     value = config.get(key)
     if key == "pinnedMemLimit":
         value = format_limits(value)

@@ -1,0 +1,185 @@
+"""Command line: ``mpsd run | status | check-config | exec``. Only wiring: flags onto config.
+
+Every config key has a flag (``--pipe-dir``) and an environment variable (``MPSD_PIPE_DIR``);
+precedence flag > env > file > default. A malformed file, flag or env value exits 2 with one
+line naming the key and the accepted form; a setup failure exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Mapping, Sequence
+
+from . import config as cfg
+from .clientenv import client_env
+from .errors import ConfigError, MpsdError
+from .units import parse_limits, parse_percentage, parse_size
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="config file (YAML, version: v1); env MPSD_CONFIG")
+    group = p.add_argument_group("settings (each also read from MPSD_<FLAG> in the environment)")
+    for s in cfg.SETTINGS:
+        if s.is_bool:
+            group.add_argument(f"--{s.flag}", nargs="?", const="true", default=None, metavar="BOOL", help=s.help)
+        else:
+            group.add_argument(f"--{s.flag}", default=None, metavar="VALUE", help=s.help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mpsd", description="GPU sharing for inference nodes on NVIDIA MPS")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="start and supervise the MPS control daemon (and the device plugin)")
+    _add_config_flags(run)
+    status = sub.add_parser("status", help="daemon state, settings, servers and clients of a running node")
+    _add_config_flags(status)
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    check = sub.add_parser("check-config", help="validate a config file and print the resolved settings")
+    check.add_argument("file")
+    check.add_argument("--json", action="store_true", help="print the resolved config as JSON")
+    ex = sub.add_parser("exec", help="run one MPS client with its limits, pipe dir and the shim preloaded")
+    _add_config_flags(ex)
+    ex.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                    help='memory cap: "4G" for device 0, or MPS syntax "0=4G,1=2G"')
+    ex.add_argument("--gpu-compute", default=None, metavar="PERCENT", help="active thread percentage (0, 100]")
+    ex.add_argument("--region", default=None, metavar="PATH", help="accounting region file shared by the processes of one slice")
+    ex.add_argument("--no-shim", action="store_true", help="do not preload libmpsshim.so (MPS limits only)")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    return parser
+
+
+def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> cfg.Config:
+    path = args.config or env.get("MPSD_CONFIG") or None
+    overrides = {s.flag: getattr(args, s.flag.replace("-", "_")) for s in cfg.SETTINGS}
+    return cfg.load(path, env, overrides)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "check-config":
+            return _check_config(args, env)
+        config = resolve(args, env)
+        if args.command == "run":
+            from .daemon import run
+
+            return run(config, reload=lambda: resolve(args, os.environ))
+        if args.command == "status":
+            from .daemon import status_main
+
+            return status_main(config, as_json=args.json)
+        return _exec(args, config, env)
+    except ConfigError as exc:
+        print(f"mpsd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except MpsdError as exc:
+        print(f"mpsd: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    config = cfg.load(args.file, env, {})
+    if args.json:
+        print(json.dumps(config.to_dict(), indent=2))
+    else:
+        print(f"{args.file}: ok")
+        for s in cfg.SETTINGS:
+            print(f"  {s.key} = {cfg.format_value(config, s.key)}")
+    return 0
+
+
+# ---------------------------------------------------------------- mpsd exec
+
+
+def exec_limits(gpu_memory: str | None) -> dict[int | str, int]:
+    """``4G`` -> {0: 4G}; ``0=4G,1=2G`` as in CUDA_MPS_PINNED_DEVICE_MEM_LIMIT."""
+    if gpu_memory is None:
+        return {}
+    try:
+        return parse_limits(gpu_memory) if "=" in gpu_memory else {0: parse_size(gpu_memory)}
+    except ConfigError as exc:
+        raise ConfigError(f"--gpu-memory: {exc}") from None
+
+
+def _shim_path(config: cfg.Config) -> str:
+    if config.shim_library:
+        if not os.path.isfile(config.shim_library):
+            raise MpsdError(f"shimLibrary {config.shim_library!r}: no such file; expected a built libmpsshim.so")
+        return config.shim_library
+    try:
+        import shim
+
+        return str(shim.library_path())
+    except Exception as exc:  # ShimNotFound or an import problem: one line either way
+        raise MpsdError(f"cannot find libmpsshim.so: {exc}; build it (pip install -e .) or pass --shim-library, or use --no-shim") from exc
+
+
+def _region_dir(config: cfg.Config) -> str:
+    base = os.path.join(config.state_dir, "exec")
+    try:
+        os.makedirs(base, exist_ok=True)
+        return tempfile.mkdtemp(prefix="region-", dir=base)
+    except OSError:
+        return tempfile.mkdtemp(prefix="mpsd-region-")
+
+
+def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ConfigError("exec: expected a command after --, e.g. mpsd exec --gpu-memory 4G -- python serve.py")
+    limits = exec_limits(args.gpu_memory)
+    percent = None
+    if args.gpu_compute is not None:
+        try:
+            percent = parse_percentage(args.gpu_compute)
+        except ConfigError as exc:
+            raise ConfigError(f"--gpu-compute: {exc}") from None
+    shim_library = None if args.no_shim else _shim_path(config)
+    made_region = None
+    region = args.region
+    if shim_library and region is None:
+        made_region = _region_dir(config)
+        region = os.path.join(made_region, "region")
+    child_env = dict(env)
+    child_env.update(client_env(pipe_dir=config.pipe_dir, active_thread_percentage=percent,
+                                memory_limits=limits, shim_library=shim_library, region_path=region))
+    if shim_library and env.get("LD_PRELOAD"):
+        child_env["LD_PRELOAD"] = f"{shim_library}:{env['LD_PRELOAD']}"
+    log.debug("exec cmd=%s env=%s", cmd, {k: child_env[k] for k in child_env if k not in env or env[k] != child_env[k]})
+    try:
+        proc = subprocess.Popen(cmd, env=child_env)
+    except OSError as exc:
+        raise MpsdError(f"cannot run {cmd[0]!r}: {exc.strerror}") from exc
+    forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if made_region:
+            shutil.rmtree(made_region, ignore_errors=True)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

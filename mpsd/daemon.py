@@ -1,0 +1,201 @@
+"""Wiring for ``mpsd run`` (supervisor + NVML inventory + metrics/probes + device plugin) and
+``mpsd status`` (what a running node looks like, from the pipe dir and NVML)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+from dataclasses import asdict
+from typing import Any, Callable
+
+from . import config as cfg
+from .control import Control, PsEntry
+from .errors import ControlError, DaemonNotRunning, InventoryError, MpsdError, PluginError
+from .health import HealthBoard
+from .supervisor import Status, Supervisor
+from .units import format_size
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def _open_inventory(config: cfg.Config):
+    try:
+        from .inventory import Inventory
+
+        return Inventory(library_path=config.nvml_library)
+    except (InventoryError, ImportError, OSError) as exc:
+        log.warning("NVML not available, running without GPU inventory: %s", exc)
+        return None
+
+
+def _gpu_lister(inventory) -> Callable[[], list]:
+    def gpus() -> list:
+        if inventory is None:
+            return []
+        try:
+            return inventory.gpus()
+        except InventoryError as exc:
+            log.warning("NVML query failed: %s", exc)
+            return []
+
+    return gpus
+
+
+def _observer(metrics, inventory, gpus: Callable[[], list]) -> Callable[[Status], None]:
+    """Push each supervisor status (and NVML's view) into the Prometheus objects."""
+
+    def observe(status: Status) -> None:
+        if metrics is None:
+            return
+        metrics.update_supervisor(
+            daemon_up=status.state == "running",
+            restarts=status.restarts,
+            health_latency=status.health_latency,
+            last_error=status.last_error,
+            servers=len(status.servers),
+            config_generation=status.config_generation,
+        )
+        if inventory is not None and status.state == "running":
+            try:
+                metrics.update_gpus(gpus(), inventory.mps_clients())
+            except InventoryError as exc:
+                log.warning("NVML query failed: %s", exc)
+
+    return observe
+
+
+def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start."""
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger().setLevel(config.log_level.upper())
+    log.info("config source=%s %s", config.source or "-", cfg.describe(config))
+    board = HealthBoard()
+    inventory = _open_inventory(config)
+    gpus = _gpu_lister(inventory)
+    metrics = server = None
+    if config.metrics_address:
+        from .metrics import Metrics, serve
+
+        metrics = Metrics()
+    supervisor = Supervisor(
+        config, board, reload=reload,
+        gpu_indices=lambda: [g.index for g in gpus()],
+        on_status=_observer(metrics, inventory, gpus),
+    )
+    if metrics is not None:
+        state = lambda: board.current()  # noqa: E731
+        server = serve(config.metrics_address, metrics,
+                       live=supervisor.loop_alive.is_set,
+                       ready=lambda: state().daemon_up and state().configured)
+        log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
+    stop_plugin = threading.Event()
+    plugin_thread = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
+    supervisor.install_signal_handlers()
+    try:
+        return supervisor.run()
+    finally:
+        stop_plugin.set()
+        if plugin_thread is not None:
+            plugin_thread.join(10)
+        if server is not None:
+            server.close()
+        if inventory is not None:
+            inventory.close()
+
+
+def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> threading.Thread | None:
+    try:
+        from .plugin import run_plugin
+    except ImportError as exc:
+        log.error("device plugin not available: %s", exc)
+        board.update(last_error=f"device plugin not available: {exc}")
+        return None
+    try:
+        import shim
+
+        shim_library = config.shim_library or str(shim.library_path())
+    except Exception as exc:
+        log.error("device plugin not started: cannot find libmpsshim.so: %s", exc)
+        board.update(last_error=f"device plugin not started: {exc}")
+        return None
+
+    def serve() -> None:
+        try:
+            run_plugin(config, pipe_dir=config.pipe_dir, gpus=gpus(), board=board, metrics=metrics,
+                       shim_library=shim_library, stop=stop, state_dir=config.state_dir)
+        except (PluginError, MpsdError) as exc:
+            log.error("device plugin stopped: %s", exc)
+            board.update(last_error=f"device plugin stopped: {exc}")
+
+    thread = threading.Thread(target=serve, name="device-plugin", daemon=True)
+    thread.start()
+    return thread
+
+
+# ---------------------------------------------------------------- mpsd status
+
+
+def collect_status(config: cfg.Config, control: Control | None = None, inventory=None) -> dict[str, Any]:
+    """The node as seen through the control front-end and NVML; plain data for JSON."""
+    control = control or Control(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout)
+    out: dict[str, Any] = {"pipeDir": config.pipe_dir, "daemon": "down", "error": "", "settings": {}, "servers": [], "gpus": [], "clients": []}
+    try:
+        out["settings"]["activeThreadPercentage"] = control.get_default_active_thread_percentage()
+        out["daemon"] = "up"
+        limits = {}
+        for device in config.pinned_mem_limit or {}:
+            limits[str(device)] = control.get_default_device_pinned_mem_limit(device)
+        out["settings"]["pinnedMemLimit"] = limits
+        out["settings"]["clientPriority"] = control.get_default_client_priority()
+        ps: list[PsEntry] = control.ps()
+        for server in control.get_server_list():
+            out["servers"].append({"pid": server, "clients": control.get_client_list(server)})
+        out["clients"] = [asdict(p) for p in ps]
+    except DaemonNotRunning as exc:
+        out["error"] = str(exc)
+    except ControlError as exc:
+        out["daemon"] = "unhealthy" if out["daemon"] == "up" else "down"
+        out["error"] = str(exc)
+    own = inventory is None
+    if own:
+        inventory = _open_inventory(config)
+    if inventory is not None:
+        try:
+            out["gpus"] = [asdict(g) for g in inventory.gpus()]
+            memory = {(c.gpu_index, c.pid): c.used_memory for c in inventory.mps_clients()}
+            for client in out["clients"]:
+                client["usedMemory"] = next((m for (g, p), m in memory.items() if p == client["pid"]), None)
+            out["nvmlClients"] = [{"gpu": g, "pid": p, "usedMemory": m} for (g, p), m in sorted(memory.items())]
+        except InventoryError as exc:
+            out["error"] = out["error"] or str(exc)
+        finally:
+            if own:
+                inventory.close()
+    return out
+
+
+def render_status(data: dict[str, Any]) -> str:
+    lines = [f"daemon: {data['daemon']}  pipe dir: {data['pipeDir']}" + (f"  error: {data['error']}" if data["error"] else "")]
+    s = data["settings"]
+    if s:
+        limits = ",".join(f"{d}={'unset' if v is None else format_size(v)}" for d, v in s.get("pinnedMemLimit", {}).items()) or "none"
+        lines.append(f"defaults: active threads {s.get('activeThreadPercentage')}%  pinned limit {limits}  client priority {s.get('clientPriority')}")
+    for g in data["gpus"]:
+        lines.append(f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB")
+    lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
+    lines.append(f"{'PID':>8} {'SERVER':>8} {'DEVICE':<24} {'MEMORY':>10}  COMMAND")
+    for c in data["clients"]:
+        mem = "-" if c.get("usedMemory") is None else f"{c['usedMemory'] >> 20}M"
+        lines.append(f"{c['pid']:>8} {c['server']:>8} {c['device']:<24} {mem:>10}  {c['command']}")
+    return "\n".join(lines)
+
+
+def status_main(config: cfg.Config, as_json: bool = False) -> int:
+    logging.basicConfig(level=logging.ERROR, format=LOG_FORMAT, stream=sys.stderr)
+    data = collect_status(config)
+    print(json.dumps(data, indent=2) if as_json else render_status(data))
+    return 0 if data["daemon"] == "up" else 1

@@ -1,0 +1,121 @@
+"""Every control command against the real nvidia-cuda-mps-control 535 (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from mpsd import dirs
+from mpsd.control import CommandRejected, Control, UnknownCommand
+from mpsd.errors import ControlTimeout, DaemonNotRunning
+
+pytestmark = pytest.mark.mps_binary
+G, M = 1 << 30, 1 << 20
+
+
+@pytest.fixture
+def daemon(mps_control, mps_dirs):
+    """A bare ``-f`` daemon (no supervisor) and a Control for it; killed at teardown."""
+    pipe, logs = mps_dirs
+    dirs.prepare(str(pipe), str(logs))
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(logs))
+    proc = subprocess.Popen([str(mps_control), "-f"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    control = Control(str(mps_control), str(pipe), str(logs), timeout=10)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            control.get_server_list()
+            break
+        except DaemonNotRunning:
+            assert time.monotonic() < deadline, "daemon did not start listening"
+            time.sleep(0.05)
+    yield control, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def test_defaults_set_and_read_back(daemon):
+    control, _ = daemon
+    assert control.get_default_active_thread_percentage() == 100.0
+    assert control.set_default_active_thread_percentage(25) == 25.0
+    assert control.get_default_active_thread_percentage() == 25.0
+    control.set_default_device_pinned_mem_limit(0, "2G")
+    control.set_default_device_pinned_mem_limit(1, "1044M")
+    assert control.get_default_device_pinned_mem_limit(0) == 2 * G
+    assert control.get_default_device_pinned_mem_limit(1) == 1 * G  # the daemon's lossy display
+    assert control.get_default_device_pinned_mem_limit(2) is None  # never set
+    control.set_default_client_priority(1)
+    assert control.get_default_client_priority() == 1
+
+
+def test_rejected_percentage_leaves_old_value_and_exit_0(daemon):
+    control, _ = daemon
+    control.set_default_active_thread_percentage(30)
+    # The daemon refuses 250 but prints the value still in force, with exit status 0.
+    assert control.set_default_active_thread_percentage(250) == 30.0
+
+
+def test_rejections_raise(daemon):
+    control, _ = daemon
+    with pytest.raises(CommandRejected, match="Invalid priority value"):
+        control.set_default_client_priority(5)
+    with pytest.raises(CommandRejected, match="Server 999 not found"):
+        control.shutdown_server(999)
+    with pytest.raises(CommandRejected, match="Server 12 not found"):
+        control.get_client_list(12)
+    with pytest.raises(CommandRejected, match="Server 5 not found"):
+        control.set_active_thread_percentage(5, 20)
+    with pytest.raises(CommandRejected, match="Server 5 not found"):
+        control.set_device_pinned_mem_limit(5, 0, "1G")
+    with pytest.raises(CommandRejected, match="Server 1 not found"):
+        control.terminate_client(1, 2)
+    with pytest.raises(UnknownCommand, match="bogus"):
+        control.call("bogus")
+
+
+def test_server_commands_without_gpu(daemon):
+    control, _ = daemon
+    assert control.get_server_list() == []
+    assert control.ps() == []  # "Server not found" means no clients
+    assert control.get_device_client_list() == {}
+    control.start_server(os.getuid())  # accepted; the server exits at once without a GPU
+    with pytest.raises(UnknownCommand):  # 535 has no get_server_status (550+)
+        control.get_server_status(1)
+
+
+def test_quit_stops_the_daemon(daemon):
+    control, proc = daemon
+    control.quit(timeout_s=2)
+    assert proc.wait(10) is not None
+    with pytest.raises(DaemonNotRunning):
+        control.get_server_list()
+
+
+def test_no_daemon_is_daemon_not_running(mps_control, tmp_path):
+    control = Control(str(mps_control), str(tmp_path), timeout=10)
+    with pytest.raises(DaemonNotRunning, match="Cannot find MPS control daemon"):
+        control.get_default_active_thread_percentage()
+
+
+def test_stopped_daemon_times_out(daemon):
+    control, proc = daemon
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ControlTimeout):
+            control.call("get_server_list", timeout=0.5)
+        assert time.monotonic() - began < 8
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_missing_binary_is_control_error(tmp_path):
+    from mpsd.errors import ControlError
+
+    with pytest.raises(ControlError, match="cannot run control binary"):
+        Control(str(tmp_path / "nope"), str(tmp_path)).get_server_list()
