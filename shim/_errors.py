@@ -1,0 +1,16 @@
+"""Errors of the shim's Python side, part of the package-wide tree in mpsd/errors.py."""
+from __future__ import annotations
+
+from mpsd.errors import MpsdError, SetupError
+
+
+class ShimError(MpsdError):
+    """Base class for the shim's Python side."""
+
+
+class ShimNotFound(ShimError, SetupError):
+    """libmpsshim.so is not where it was looked for; the message says how to build it."""
+
+
+class RegionError(ShimError):
+    """An accounting region could not be read (missing, unreadable, corrupted)."""
