@@ -1,0 +1,297 @@
+"""Prometheus metrics and the HTTP endpoints /metrics, /healthz and /readyz.
+
+:class:`Metrics` owns the prometheus objects (in its own registry unless given one, so
+tests stay isolated) and is updated from plain values; every labelled group is replaced
+as a whole, so a label set that disappears (a pid that exited, a pod that left) disappears
+from the scrape too. :func:`serve` runs a stdlib HTTP server in a daemon thread.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mpsd.errors import ConfigError, SetupError
+
+if TYPE_CHECKING:
+    from mpsd.inventory import Client, Gpu
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MAX_ERROR_LABEL = 200  # characters of the last error kept as a label value
+ALLOCATION_LABELS = ("allocation", "pod", "namespace", "container", "gpu")
+
+
+@dataclass(frozen=True)
+class AllocationUsage:
+    """One device-plugin allocation: its memory limit and what its processes use now."""
+
+    allocation_id: str
+    pod: str
+    namespace: str
+    container: str
+    gpu: int | str
+    limit_bytes: int
+    used_bytes: int
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._lock = threading.Lock()
+        self._label_sets: dict[int, set[tuple[str, ...]]] = {}  # id(gauge) → label sets set last
+        self.daemon_up = Gauge("mpsd_daemon_up", "1 while the MPS control daemon is running", registry=r)
+        self.daemon_restarts = Counter(
+            "mpsd_daemon_restarts", "Restarts of the MPS control daemon by the supervisor", registry=r
+        )
+        self.health_check_seconds = Histogram(
+            "mpsd_health_check_seconds",
+            "Duration of one health check of the control daemon",
+            buckets=HEALTH_CHECK_BUCKETS,
+            registry=r,
+        )
+        self.last_error_info = Gauge(
+            "mpsd_last_error_info", "The last error the supervisor saw (value 1, text in the label)", ["message"], registry=r
+        )
+        self.last_error_timestamp = Gauge(
+            "mpsd_last_error_timestamp_seconds", "Unix time of the last error (0: none yet)", registry=r
+        )
+        self.mps_servers = Gauge("mpsd_mps_servers", "MPS servers running per GPU", ["gpu"], registry=r)
+        self.mps_clients = Gauge("mpsd_mps_clients", "MPS client processes per GPU (NVML)", ["gpu"], registry=r)
+        self.client_memory = Gauge(
+            "mpsd_client_memory_bytes", "Device memory used by one MPS client process (NVML)", ["gpu", "pid"], registry=r
+        )
+        self.gpu_memory_total = Gauge(
+            "mpsd_gpu_memory_total_bytes", "Device memory of the GPU (NVML)", ["gpu", "uuid"], registry=r
+        )
+        self.gpu_memory_used = Gauge(
+            "mpsd_gpu_memory_used_bytes", "Device memory in use on the GPU (NVML)", ["gpu", "uuid"], registry=r
+        )
+        self.config_generation = Gauge(
+            "mpsd_config_generation", "Generation of the applied MPS configuration (bumped on every re-apply)", registry=r
+        )
+        self.device_healthy = Gauge(
+            "mpsd_device_healthy", "1 if the GPU is offered as healthy to the kubelet", ["gpu"], registry=r
+        )
+        self.allocation_used = Gauge(
+            "mpsd_allocation_memory_used_bytes",
+            "Device memory used by one device-plugin allocation (shim accounting)",
+            list(ALLOCATION_LABELS),
+            registry=r,
+        )
+        self.allocation_limit = Gauge(
+            "mpsd_allocation_memory_limit_bytes",
+            "Device memory limit of one device-plugin allocation",
+            list(ALLOCATION_LABELS),
+            registry=r,
+        )
+
+    # -- supervisor --------------------------------------------------------------------
+
+    def set_daemon_up(self, up: bool) -> None:
+        self.daemon_up.set(1 if up else 0)
+
+    def daemon_restarted(self) -> None:
+        self.daemon_restarts.inc()
+
+    def observe_health_check(self, seconds: float) -> None:
+        self.health_check_seconds.observe(seconds)
+
+    def set_last_error(self, message: str, when: float | None = None) -> None:
+        """Record the latest error; only the latest message is exported. "" clears it."""
+        text = " ".join(message.split())[:MAX_ERROR_LABEL]
+        with self._lock:
+            self._replace(self.last_error_info, {(text,): 1.0} if text else {})
+            if text:
+                self.last_error_timestamp.set(time.time() if when is None else when)
+
+    def set_config_generation(self, generation: int) -> None:
+        self.config_generation.set(generation)
+
+    def set_mps_servers(self, per_gpu: Mapping[int, int]) -> None:
+        with self._lock:
+            self._replace(self.mps_servers, {(str(gpu),): float(n) for gpu, n in per_gpu.items()})
+
+    def set_device_health(self, per_gpu: Mapping[int, bool]) -> None:
+        with self._lock:
+            self._replace(self.device_healthy, {(str(gpu),): 1.0 if ok else 0.0 for gpu, ok in per_gpu.items()})
+
+    # -- inventory ---------------------------------------------------------------------
+
+    def observe_inventory(self, gpus: Iterable[Gpu], clients: Iterable[Client]) -> None:
+        """GPU memory and MPS clients from one inventory pass; replaces the previous pass.
+        A client whose memory NVML cannot tell is counted but has no memory series."""
+        total: dict[tuple[str, ...], float] = {}
+        used: dict[tuple[str, ...], float] = {}
+        per_gpu: dict[tuple[str, ...], float] = {}
+        memory: dict[tuple[str, ...], float] = {}
+        for gpu in gpus:
+            total[(str(gpu.index), gpu.uuid)] = float(gpu.memory_total)
+            used[(str(gpu.index), gpu.uuid)] = float(gpu.memory_used)
+            per_gpu[(str(gpu.index),)] = 0.0
+        for client in clients:
+            key = (str(client.gpu_index),)
+            per_gpu[key] = per_gpu.get(key, 0.0) + 1
+            if client.used_memory is not None:
+                mkey = (str(client.gpu_index), str(client.pid))
+                memory[mkey] = memory.get(mkey, 0.0) + float(client.used_memory)
+        with self._lock:
+            self._replace(self.gpu_memory_total, total)
+            self._replace(self.gpu_memory_used, used)
+            self._replace(self.mps_clients, per_gpu)
+            self._replace(self.client_memory, memory)
+
+    # -- device plugin -----------------------------------------------------------------
+
+    def set_allocations(self, rows: Iterable[AllocationUsage]) -> None:
+        limits: dict[tuple[str, ...], float] = {}
+        used: dict[tuple[str, ...], float] = {}
+        for row in rows:
+            key = (row.allocation_id, row.pod, row.namespace, row.container, str(row.gpu))
+            limits[key] = float(row.limit_bytes)
+            used[key] = float(row.used_bytes)
+        with self._lock:
+            self._replace(self.allocation_limit, limits)
+            self._replace(self.allocation_used, used)
+
+    def _replace(self, gauge: Gauge, values: Mapping[tuple[str, ...], float]) -> None:
+        """Set every label set in ``values`` and remove the ones set last time but not now
+        (new values first, so a scrape never sees the group empty). Caller holds _lock."""
+        for labels, value in values.items():
+            gauge.labels(*labels).set(value)
+        for stale in self._label_sets.get(id(gauge), set()) - values.keys():
+            gauge.remove(*stale)
+        self._label_sets[id(gauge)] = set(values)
+
+    def scrape(self) -> bytes:
+        """The registry in Prometheus text format (what GET /metrics returns)."""
+        return generate_latest(self.registry)
+
+
+# -- HTTP --------------------------------------------------------------------------------
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` → (host, port). IPv6 hosts in brackets (``[::1]:9400``); an empty host
+    (``:9400``) means every IPv4 interface; port 0 picks a free port."""
+    accepted = 'expected host:port with port 0..65535, e.g. "0.0.0.0:9400" or "[::1]:9400"'
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"metricsAddress: {accepted}, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            host = str(ipaddress.IPv6Address(host[1:-1]))
+        except ValueError as e:
+            raise ConfigError(f"metricsAddress: {accepted}, got {address!r} (bad IPv6 address)") from e
+    elif not host:
+        host = "0.0.0.0"
+    elif not _is_hostname(host):
+        raise ConfigError(f"metricsAddress: {accepted}, got {address!r} (bad host {host!r})")
+    return host, int(port_text)
+
+
+def _is_hostname(host: str) -> bool:
+    """A dotted IPv4 address or a DNS name (letters, digits, '-', '.'); no bare IPv6."""
+    if len(host) > 253 or not host.isascii():
+        return False
+    labels = host.split(".")
+    return all(label and len(label) <= 63 and label.replace("-", "").isalnum() for label in labels)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    timeout = 10  # seconds a slow client may hold a handler thread
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._reply(200, self.server.metrics.scrape(), CONTENT_TYPE_LATEST)
+        elif path == "/healthz":
+            ok, reason = _probe(lambda: (self.server.live(), "not live"))
+            self._reply(200 if ok else 503, b"ok\n" if ok else f"{reason}\n".encode())
+        elif path == "/readyz":
+            ok, reason = _probe(self.server.ready)
+            self._reply(200 if ok else 503, b"ok\n" if ok else f"{reason or 'not ready'}\n".encode())
+        else:
+            self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+    def _reply(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib signature)
+        log.debug("http client=%s " + format, self.address_string(), *args)
+
+
+def _probe(check: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
+    """Run a probe callable; one that raises counts as failing, with the error as reason."""
+    try:
+        ok, reason = check()
+    except Exception as e:  # a broken probe must answer 503, not drop the connection
+        log.warning("probe raised error=%r", e)
+        return False, f"probe failed: {e}"
+    return bool(ok), reason
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, metrics: Metrics, live: Callable[[], bool],
+                 ready: Callable[[], tuple[bool, str]]) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.metrics, self.live, self.ready = metrics, live, ready
+        super().__init__((host, port), _Handler)
+
+
+class Server:
+    """A running metrics/probe endpoint; ``close()`` stops it and frees the port."""
+
+    def __init__(self, httpd: _HTTPServer) -> None:
+        self._httpd = httpd
+        self.host: str = httpd.server_address[0]
+        self.port: int = httpd.server_address[1]
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="mpsd-metrics", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+        log.info("metrics endpoint closed host=%s port=%s", self.host, self.port)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(address: str, metrics: Metrics, live: Callable[[], bool], ready: Callable[[], tuple[bool, str]]) -> Server:
+    """Serve /metrics, /healthz and /readyz on ``address`` ("host:port") in a daemon thread."""
+    host, port = parse_address(address)
+    try:
+        httpd = _HTTPServer(host, port, metrics, live, ready)
+    except OSError as e:
+        raise SetupError(f"metricsAddress: cannot listen on {address!r}: {e.strerror or e}") from e
+    server = Server(httpd)
+    log.info("metrics endpoint listening host=%s port=%s", server.host, server.port)
+    return server
