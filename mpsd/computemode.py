@@ -49,7 +49,8 @@ class ComputeMode:
         except OSError as exc:
             raise SetupError(f"cannot run {self.nvidia_smi!r}: {exc.strerror}") from exc
         if proc.returncode != 0:
-            raise SetupError(f"{' '.join(cmd)} exited {proc.returncode}: {(proc.stdout + proc.stderr).strip()}")
+            output = " | ".join(line for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
+            raise SetupError(f"{' '.join(cmd)} exited {proc.returncode}: {output}")
         return proc.stdout
 
     def current(self) -> dict[str, str]:
