@@ -48,6 +48,7 @@ enum {
     CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3, CUDA_ERROR_NO_DEVICE = 100, CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201, CUDA_ERROR_INVALID_HANDLE = 400, CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
 };
 enum { PROC_SUCCESS = 0, PROC_SYMBOL_NOT_FOUND = 1, PROC_VERSION_NOT_SUFFICIENT = 2 };
 enum { PROC_FLAG_PER_THREAD_DEFAULT_STREAM = 2 };
@@ -68,7 +69,9 @@ enum { PROC_FLAG_PER_THREAD_DEFAULT_STREAM = 2 };
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFree_v2) X(cuMemFree) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) \
     X(cuMemCreate) X(cuMemRelease) X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuDeviceGetDefaultMemPool) \
     X(cuStreamCreate) X(cuStreamDestroy_v2) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuGetErrorString) \
-    X(cuGetErrorName) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuGetErrorName) X(cuGetProcAddress) X(cuGetProcAddress_v2) \
+    X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxGetState) X(cuDevicePrimaryCtxReset_v2) X(cuCtxSynchronize) \
+    X(cuIpcOpenMemHandle_v2)
 
 enum {
 #define X(n) F_##n,
@@ -544,6 +547,50 @@ EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
 EXPORT CUresult cuLaunchKernel(LAUNCH_ARGS) { ENTER(cuLaunchKernel); UNUSED_LAUNCH; return CUDA_SUCCESS; }
 EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS) { ENTER(cuLaunchKernel_ptsz); UNUSED_LAUNCH; return CUDA_SUCCESS; }
 
+/* ---- enough for numba's ctypes driver binding (tests/e2e/test_numba.py) --------------------- */
+/* Attributes: compute capability 8.0, 108 SMs, warp 32, unified addressing; every other
+ * attribute below 200 reads 0 (the real driver has values for each; numba reads a few). */
+EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice d) {
+    ENTER(cuDeviceGetAttribute); NEED_INIT();
+    if (!value || attrib <= 0 || attrib >= 200) return CUDA_ERROR_INVALID_VALUE;
+    if (!VALID_DEV(d)) return CUDA_ERROR_INVALID_DEVICE;
+    switch (attrib) {
+    case 1: *value = 1024; break;          /* MAX_THREADS_PER_BLOCK */
+    case 2: case 5: *value = 1024; break;  /* MAX_BLOCK_DIM_X, MAX_GRID_DIM_X (small, fake) */
+    case 10: *value = 32; break;           /* WARP_SIZE */
+    case 16: *value = 108; break;          /* MULTIPROCESSOR_COUNT */
+    case 41: *value = 1; break;            /* UNIFIED_ADDRESSING */
+    case 75: *value = 8; break;            /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: *value = 0; break;            /* COMPUTE_CAPABILITY_MINOR */
+    case 33: *value = d + 1; break;        /* PCI_BUS_ID */
+    default: *value = 0;
+    }
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active) {
+    ENTER(cuDevicePrimaryCtxGetState); NEED_INIT();
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    if (!VALID_DEV(d)) return CUDA_ERROR_INVALID_DEVICE;
+    *flags = 0;
+    *active = 1;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) {
+    ENTER(cuDevicePrimaryCtxReset_v2); NEED_INIT();
+    return VALID_DEV(d) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+EXPORT CUresult cuCtxSynchronize(void) {
+    ENTER(cuCtxSynchronize); NEED_INIT();
+    return current_ctx() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+/* IPC is not faked: numba only needs the symbol to exist. */
+typedef struct { char reserved[64]; } CUipcMemHandle;
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle h, unsigned int flags) {
+    ENTER(cuIpcOpenMemHandle_v2); NEED_INIT();
+    (void)dptr, (void)h, (void)flags;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 /* ---- errors --------------------------------------------------------------------------- */
 static const struct { int code; const char *name, *text; } errors[] = {
     {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
@@ -555,6 +602,7 @@ static const struct { int code; const char *name, *text; } errors[] = {
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
 };
 static CUresult error_field(CUresult e, const char **out, int want_name) {
     if (!out) return CUDA_ERROR_INVALID_VALUE;
@@ -598,6 +646,9 @@ static const struct { const char *base; int version, ptsz; void *fn; } procs[] =
     P(cuLaunchKernel, 4000, cuLaunchKernel), PT(cuLaunchKernel, 7000, cuLaunchKernel_ptsz),
     P(cuGetErrorString, 6000, cuGetErrorString), P(cuGetErrorName, 6000, cuGetErrorName),
     P(cuGetProcAddress, 11030, cuGetProcAddress), P(cuGetProcAddress, 12000, cuGetProcAddress_v2),
+    P(cuDeviceGetAttribute, 2000, cuDeviceGetAttribute), P(cuDevicePrimaryCtxGetState, 7000, cuDevicePrimaryCtxGetState),
+    P(cuDevicePrimaryCtxReset, 11000, cuDevicePrimaryCtxReset_v2), P(cuCtxSynchronize, 2000, cuCtxSynchronize),
+    P(cuIpcOpenMemHandle, 11000, cuIpcOpenMemHandle_v2),
 };
 
 static CUresult lookup(const char *symbol, void **pfn, int version, unsigned long long flags, int *status) {
