@@ -51,6 +51,9 @@ class Metrics:
         r = self.registry
         self._lock = threading.Lock()
         self._label_sets: dict[int, set[tuple[str, ...]]] = {}  # id(gauge) → label sets set last
+        self._restarts_seen = 0  # update_supervisor's view of the previous snapshot
+        self._latency_seen: float | None = None
+        self._error_seen = ""
         self.daemon_up = Gauge("mpsd_daemon_up", "1 while the MPS control daemon is running", registry=r)
         self.daemon_restarts = Counter(
             "mpsd_daemon_restarts", "Restarts of the MPS control daemon by the supervisor", registry=r
@@ -119,13 +122,44 @@ class Metrics:
     def set_config_generation(self, generation: int) -> None:
         self.config_generation.set(generation)
 
-    def set_mps_servers(self, per_gpu: Mapping[int, int]) -> None:
+    def set_mps_servers(self, per_gpu: Mapping[int | str, int]) -> None:
         with self._lock:
             self._replace(self.mps_servers, {(str(gpu),): float(n) for gpu, n in per_gpu.items()})
 
     def set_device_health(self, per_gpu: Mapping[int, bool]) -> None:
         with self._lock:
             self._replace(self.device_healthy, {(str(gpu),): 1.0 if ok else 0.0 for gpu, ok in per_gpu.items()})
+
+    def update_supervisor(
+        self,
+        *,
+        daemon_up: bool,
+        restarts: int,
+        health_latency: float | None,
+        last_error: str,
+        servers: int | Mapping[int, int],
+        config_generation: int,
+    ) -> None:
+        """One supervisor status snapshot (mpsd.daemon pushes one per change). ``restarts`` is
+        the running total: the counter advances by the difference. Snapshots repeat the last
+        latency and error, so a latency is observed and an error stamped only when it
+        changes. ``servers`` as a plain count is exported with gpu="all"."""
+        with self._lock:
+            new_restarts = max(restarts - self._restarts_seen, 0)
+            self._restarts_seen = restarts
+            new_latency = health_latency is not None and health_latency != self._latency_seen
+            self._latency_seen = health_latency
+            new_error = last_error != self._error_seen
+            self._error_seen = last_error
+        self.set_daemon_up(daemon_up)
+        if new_restarts:
+            self.daemon_restarts.inc(new_restarts)
+        if new_latency:
+            self.observe_health_check(float(health_latency))  # type: ignore[arg-type]
+        if new_error:
+            self.set_last_error(last_error)
+        self.set_mps_servers({"all": servers} if isinstance(servers, int) else servers)
+        self.set_config_generation(config_generation)
 
     # -- inventory ---------------------------------------------------------------------
 
@@ -151,6 +185,10 @@ class Metrics:
             self._replace(self.gpu_memory_used, used)
             self._replace(self.mps_clients, per_gpu)
             self._replace(self.client_memory, memory)
+
+    def update_gpus(self, gpus: Iterable[Gpu], clients: Iterable[Client]) -> None:
+        """Alias of observe_inventory (the name mpsd.daemon calls)."""
+        self.observe_inventory(gpus, clients)
 
     # -- device plugin -----------------------------------------------------------------
 
@@ -218,8 +256,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._reply(200, self.server.metrics.scrape(), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
-            ok, reason = _probe(lambda: (self.server.live(), "not live"))
-            self._reply(200 if ok else 503, b"ok\n" if ok else f"{reason}\n".encode())
+            ok, reason = _probe(self.server.live)
+            self._reply(200 if ok else 503, b"ok\n" if ok else f"{reason or 'not live'}\n".encode())
         elif path == "/readyz":
             ok, reason = _probe(self.server.ready)
             self._reply(200 if ok else 503, b"ok\n" if ok else f"{reason or 'not ready'}\n".encode())
@@ -237,21 +275,27 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("http client=%s " + format, self.address_string(), *args)
 
 
-def _probe(check: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
-    """Run a probe callable; one that raises counts as failing, with the error as reason."""
+Probe = Callable[[], "tuple[bool, str] | bool"]
+
+
+def _probe(check: Probe) -> tuple[bool, str]:
+    """Run a probe callable returning ok or (ok, reason); one that raises counts as failing,
+    with the error as reason."""
     try:
-        ok, reason = check()
+        result = check()
     except Exception as e:  # a broken probe must answer 503, not drop the connection
         log.warning("probe raised error=%r", e)
         return False, f"probe failed: {e}"
-    return bool(ok), reason
+    if isinstance(result, tuple):
+        ok, reason = result
+        return bool(ok), str(reason)
+    return bool(result), ""
 
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, metrics: Metrics, live: Callable[[], bool],
-                 ready: Callable[[], tuple[bool, str]]) -> None:
+    def __init__(self, host: str, port: int, metrics: Metrics, live: Probe, ready: Probe) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.metrics, self.live, self.ready = metrics, live, ready
         super().__init__((host, port), _Handler)
@@ -285,8 +329,9 @@ class Server:
         self.close()
 
 
-def serve(address: str, metrics: Metrics, live: Callable[[], bool], ready: Callable[[], tuple[bool, str]]) -> Server:
-    """Serve /metrics, /healthz and /readyz on ``address`` ("host:port") in a daemon thread."""
+def serve(address: str, metrics: Metrics, live: Probe, ready: Probe) -> Server:
+    """Serve /metrics, /healthz and /readyz on ``address`` ("host:port") in a daemon thread.
+    ``live``/``ready`` return ok or (ok, reason); 503 carries the reason."""
     host, port = parse_address(address)
     try:
         httpd = _HTTPServer(host, port, metrics, live, ready)

@@ -131,3 +131,33 @@ def test_each_metrics_has_its_own_registry_unless_given_one() -> None:
     assert Metrics(shared).registry is shared
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         Metrics(shared)
+
+
+def test_update_supervisor_counts_each_change_once(metrics: Metrics, server: Server) -> None:
+    snapshot = dict(daemon_up=True, restarts=0, health_latency=None, last_error="", servers=0, config_generation=1)
+    metrics.update_supervisor(**snapshot)
+    metrics.update_supervisor(**{**snapshot, "health_latency": 0.02})
+    metrics.update_supervisor(**{**snapshot, "health_latency": 0.02})  # same check, republished
+    metrics.update_supervisor(**{**snapshot, "daemon_up": False, "restarts": 2, "health_latency": 0.02,
+                                 "last_error": "daemon exited with status 1"})
+    metrics.update_supervisor(**{**snapshot, "restarts": 2, "health_latency": 0.04,
+                                 "last_error": "daemon exited with status 1", "servers": 3, "config_generation": 4})
+    s = scrape(server)
+    assert s[("mpsd_daemon_up", ())] == 1
+    assert s[("mpsd_daemon_restarts_total", ())] == 2
+    assert s[("mpsd_health_check_seconds_count", ())] == 2
+    assert s[("mpsd_health_check_seconds_sum", ())] == pytest.approx(0.06)
+    assert named(s, "mpsd_last_error_info") == {(("message", "daemon exited with status 1"),): 1}
+    assert named(s, "mpsd_mps_servers") == {(("gpu", "all"),): 3}
+    assert s[("mpsd_config_generation", ())] == 4
+    stamped = s[("mpsd_last_error_timestamp_seconds", ())]
+    assert stamped > 0
+    metrics.update_supervisor(**{**snapshot, "restarts": 2, "last_error": "daemon exited with status 1"})
+    assert scrape(server)[("mpsd_last_error_timestamp_seconds", ())] == stamped  # same error: not re-stamped
+    metrics.update_supervisor(**{**snapshot, "restarts": 2})
+    assert named(scrape(server), "mpsd_last_error_info") == {}
+
+
+def test_update_gpus_is_observe_inventory(metrics: Metrics, server: Server) -> None:
+    metrics.update_gpus([GPU0], [Client(0, 7, GIB)])
+    assert named(scrape(server), "mpsd_client_memory_bytes") == {(("gpu", "0"), ("pid", "7")): GIB}

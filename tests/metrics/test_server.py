@@ -37,6 +37,14 @@ def test_probes_follow_the_callables() -> None:
         assert get(server.port, "/nope")[0] == 404
 
 
+def test_probes_may_return_a_plain_bool() -> None:
+    state = {"ready": False}
+    with serve("127.0.0.1:0", Metrics(), lambda: True, lambda: state["ready"]) as server:
+        assert get(server.port, "/readyz") == (503, "not ready\n")
+        state["ready"] = True
+        assert get(server.port, "/readyz") == (200, "ok\n")
+
+
 def test_a_probe_that_raises_answers_503() -> None:
     def broken() -> bool:
         raise RuntimeError("board gone")
