@@ -1,0 +1,192 @@
+"""The supervisor against the real nvidia-cuda-mps-control: start, crash, hang, crash loop,
+reload, FAULT reporting, compute mode. Faults are real signals. Timings are generous (the
+machine is small and shared); numbers belong in benchmarks/recovery.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from mpsd.control import Control
+from mpsd.errors import ConfigError
+
+pytestmark = pytest.mark.mps_binary
+G, M = 1 << 30, 1 << 20
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(0): look at its state
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+def wait_until(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def reads_back(config, atp, limits, priority=None):
+    c = Control(config.control_binary, config.pipe_dir, timeout=10)
+    assert c.get_default_active_thread_percentage() == atp
+    for device, nbytes in limits.items():
+        assert c.get_default_device_pinned_mem_limit(device) == nbytes
+    if priority is not None:
+        assert c.get_default_client_priority() == priority
+
+
+def test_start_applies_defaults_before_ready(make_config, run_supervisor):
+    config = make_config(**{"active-thread-percentage": "40", "pinned-mem-limit": "0=2G,1=1044M", "client-priority": "1"})
+    r = run_supervisor(config)
+    state = r.wait_for(lambda s: s.configured, what="configured")
+    assert state.daemon_up and state.last_error == ""
+    reads_back(config, 40.0, {0: 2 * G, 1: 1 * G}, priority=1)  # 1044M reads back as 1G
+    log = open(os.path.join(config.log_dir, "control.log")).read()
+    assert "Cmd:set_default_active_thread_percentage 40" in log
+    assert "Cmd:set_default_device_pinned_mem_limit 1 1044M" in log
+    r.wait_for(lambda s: r.sup.status().health_latency is not None, what="a health check")
+
+
+def test_sigkill_restarts_and_reapplies_defaults(make_config, run_supervisor):
+    config = make_config(**{"active-thread-percentage": "30", "pinned-mem-limit": "0=512M"})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured)
+    first = r.sup.status().pid
+    os.kill(first, signal.SIGKILL)
+    r.wait_for(lambda s: r.sup.status().pid not in (None, first) and s.configured, what="restart")
+    status = r.sup.status()
+    assert status.restarts == 1
+    wait_until(lambda: gone(first), what="old daemon reaped")
+    reads_back(config, 30.0, {0: 512 * M})
+
+
+def test_sigstop_is_detected_as_hung_killed_and_restarted(make_config, run_supervisor):
+    config = make_config(**{"health-timeout": "1s", "active-thread-percentage": "55"})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured)
+    hung = r.sup.status().pid
+    os.kill(hung, signal.SIGSTOP)
+    state = r.wait_for(lambda s: not s.configured, what="hang noticed")
+    assert "hung" in state.last_error
+    r.wait_for(lambda s: r.sup.status().pid not in (None, hung) and s.configured, timeout=60, what="restart after hang")
+    wait_until(lambda: gone(hung), what="hung daemon killed")
+    reads_back(config, 55.0, {})
+
+
+def test_crash_loop_backs_off(make_config, run_supervisor, tmp_path):
+    starts = tmp_path / "starts"
+    binary = tmp_path / "crashing-control"
+    binary.write_text(f'#!/bin/sh\n[ "$1" = "-f" ] && date +%s.%N >> {starts}\nexit 1\n')
+    binary.chmod(0o755)
+    config = make_config(**{"control-binary": str(binary), "restart-backoff-initial": "0.1s", "restart-backoff-max": "0.8s"})
+    r = run_supervisor(config)
+    state = r.wait_for(lambda s: "crash loop" in s.last_error, what="crash loop reported")
+    assert not state.daemon_up and not state.configured
+    time.sleep(3)
+    times = [float(t) for t in starts.read_text().split()]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    # Expected waits 0.1, 0.2, 0.4, 0.8, 0.8 ...: a hammering loop would start hundreds of times.
+    assert len(times) <= 12, times
+    assert gaps[0] >= 0.08
+    assert all(g >= 0.7 for g in gaps[3:]), gaps
+    assert r.sup.status().failures_in_row >= 4
+
+
+def test_reload_applies_new_defaults_live_and_defers_the_rest(make_config, run_supervisor, caplog):
+    config = make_config(**{"active-thread-percentage": "80"})
+    new = {"config": make_config(**{"active-thread-percentage": "20", "pinned-mem-limit": "0=3G", "pipe-dir": "/tmp/elsewhere"})}
+
+    def reload():
+        value = new["config"]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    r = run_supervisor(config, reload=reload)
+    r.wait_for(lambda s: s.configured)
+    pid = r.sup.status().pid
+    r.sup.reload()
+    wait_until(lambda: r.sup.status().config_generation == 2, what="reload")
+    reads_back(config, 20.0, {0: 3 * G})
+    assert r.sup.status().pid == pid  # no restart needed
+    assert r.sup.config.pipe_dir == config.pipe_dir  # pipeDir applies only after a restart of mpsd
+    assert "key=pipeDir changed: applies only after mpsd restarts" in caplog.text
+    new["config"] = ConfigError("config.yaml: healthInterval: expected a duration")
+    r.sup.reload()
+    state = r.wait_for(lambda s: "reload failed" in s.last_error, what="reload failure")
+    assert state.configured and r.sup.status().config_generation == 2
+    reads_back(config, 20.0, {0: 3 * G})
+
+
+class FaultyServers:
+    """The real front-end, plus one MPS server in the given state (no GPU makes real ones)."""
+
+    def __init__(self, real: Control, state: str | None) -> None:
+        self.real, self.state = real, state
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def get_server_list(self):
+        self.real.get_server_list()
+        return [4242]
+
+    def get_server_status(self, pid):
+        if self.state is None:
+            return self.real.get_server_status(pid)  # 535: Unknown command
+        return self.state
+
+
+def test_server_in_fault_marks_managed_gpus_unhealthy(make_config, run_supervisor, monkeypatch):
+    r = run_supervisor(make_config(), gpu_indices=lambda: [0, 1])
+    r.wait_for(lambda s: s.configured)
+    real = r.sup.control
+    monkeypatch.setattr(r.sup, "control", lambda timeout=None: FaultyServers(real(timeout), "FAULT"))
+    state = r.wait_for(lambda s: s.faulted_gpus, what="FAULT published")
+    assert state.faulted_gpus == {0, 1} and not state.gpu_healthy(0)
+    assert "4242" in state.last_error and "FAULT" in state.last_error
+    monkeypatch.setattr(r.sup, "control", lambda timeout=None: FaultyServers(real(timeout), "ACTIVE"))
+    state = r.wait_for(lambda s: not s.faulted_gpus, what="FAULT cleared")
+    assert state.gpu_healthy(0) and state.last_error == ""
+
+
+def test_get_server_status_missing_on_535_is_not_a_failure(make_config, run_supervisor, monkeypatch):
+    r = run_supervisor(make_config(), gpu_indices=lambda: [0])
+    r.wait_for(lambda s: s.configured)
+    real = r.sup.control
+    pid = r.sup.status().pid
+    monkeypatch.setattr(r.sup, "control", lambda timeout=None: FaultyServers(real(timeout), None))
+    wait_until(lambda: r.sup.status().servers == (4242,), what="health check with a server")
+    assert r.sup._supports_status is False
+    assert r.board.current().configured and r.sup.status().pid == pid
+
+
+def test_stop_quits_the_daemon_and_restores_compute_mode(make_config, run_supervisor, tmp_path):
+    log = tmp_path / "smi.log"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "$@" >> {log}\ncase "$1" in --query-gpu=*) echo "0, Default";; esac\n')
+    smi.chmod(0o755)
+    config = make_config(**{"exclusive-process": "true", "nvidia-smi": str(smi)})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured)
+    pid = r.sup.status().pid
+    assert log.read_text().splitlines()[-1] == "-i 0 -c EXCLUSIVE_PROCESS"
+    r.stop()
+    assert r.result == [0]
+    assert gone(pid)
+    assert log.read_text().splitlines()[-1] == "-i 0 -c DEFAULT"
+    assert not r.board.current().daemon_up
+
+
+def test_setup_error_on_first_start_is_raised(make_config, run_supervisor, tmp_path):
+    r = run_supervisor(make_config(**{"control-binary": str(tmp_path / "missing")}))
+    r.thread.join(30)
+    assert len(r.result) == 1 and "cannot start control binary" in str(r.result[0])
