@@ -99,6 +99,7 @@ class DevicePlugin:
             store=self.store,
             region_root=paths.region_dir,
             resource_name=resource_name,
+            gpu_index={g.uuid: g.index for g in gpus},
             pod_resources_socket=pod_resources_socket,
             metrics=metrics,
             usage_reader=usage_reader,
@@ -134,7 +135,10 @@ class DevicePlugin:
                 os.chmod(allocation.region_dir, 0o777)
         self._serve()
         self.check()
-        for name, target in (("mpsd-plugin-watch", self._watch_loop), ("mpsd-plugin-usage", self._usage_loop)):
+        loops = [("mpsd-plugin-watch", self._watch_loop)]
+        if self.usage_interval > 0:  # 0: no background rounds (tests call tracker.tick)
+            loops.append(("mpsd-plugin-usage", self._usage_loop))
+        for name, target in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)

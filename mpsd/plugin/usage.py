@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from ..errors import MpsdError
+from ..metrics import AllocationUsage
 from .kubelet import Holder, list_holders
 from .state import Allocation, StateStore
 
@@ -54,32 +55,22 @@ def reconcile(
     return Reconciled(keep, stale)
 
 
-@dataclass(frozen=True)
-class UsageRow:
-    """The fields of mpsd.metrics.AllocationUsage, in its order."""
-
-    allocation_id: str
-    pod: str
-    namespace: str
-    container: str
-    gpu: str
-    limit_bytes: int
-    used_bytes: int
-
-
-def usage_rows(allocations: Iterable[Allocation], used: Mapping[str, Mapping[int, int]]) -> list[UsageRow]:
-    """One row per allocation and GPU; ``used`` maps allocation ID -> bytes per ordinal."""
+def usage_rows(
+    allocations: Iterable[Allocation], used: Mapping[str, Mapping[int, int]], gpu_index: Mapping[str, int]
+) -> list[AllocationUsage]:
+    """One row per allocation and GPU (labelled by host index, as the other GPU metrics are);
+    ``used`` maps allocation ID -> bytes per ordinal the container sees."""
     rows = []
     for a in allocations:
         per_ordinal = used.get(a.allocation_id, {})
         for ordinal, uuid in enumerate(a.gpus):
             rows.append(
-                UsageRow(
+                AllocationUsage(
                     allocation_id=a.allocation_id,
                     pod=a.pod,
                     namespace=a.namespace,
                     container=a.container,
-                    gpu=uuid,
+                    gpu=gpu_index.get(uuid, uuid),
                     limit_bytes=a.memory_limits.get(ordinal, 0),
                     used_bytes=int(per_ordinal.get(ordinal, 0)),
                 )
@@ -103,6 +94,7 @@ class UsageTracker:
         store: StateStore,
         region_root: str,
         resource_name: str,
+        gpu_index: Mapping[str, int],
         pod_resources_socket: str | None,
         metrics: object | None,
         usage_reader: UsageReader = shim_usage,
@@ -112,6 +104,7 @@ class UsageTracker:
         self.store = store
         self.region_root = os.path.abspath(region_root)
         self.resource_name = resource_name
+        self.gpu_index = dict(gpu_index)
         self.pod_resources_socket = pod_resources_socket
         self.metrics = metrics
         self.usage_reader = usage_reader
@@ -119,7 +112,7 @@ class UsageTracker:
         self.gc_grace = gc_grace
         self._warned: set[str] = set()
 
-    def tick(self, now: float | None = None) -> list[UsageRow]:
+    def tick(self, now: float | None = None) -> list[AllocationUsage]:
         """One round: labels, garbage collection, metrics. Returns the rows pushed."""
         now = time.time() if now is None else now
         holders = None
@@ -135,9 +128,9 @@ class UsageTracker:
         if result.stale:
             self.collect(result.stale)
         used = {a.allocation_id: self._read(a) for a in result.keep}
-        rows = usage_rows(result.keep, used)
+        rows = usage_rows(result.keep, used, self.gpu_index)
         if self.metrics is not None:
-            self.metrics.set_allocations(_as_metrics_rows(rows))
+            self.metrics.set_allocations(rows)
         return rows
 
     def collect(self, stale: list[Allocation]) -> None:
@@ -162,10 +155,3 @@ class UsageTracker:
             self._warned.add(key)
             log.warning(msg, *args)
 
-
-def _as_metrics_rows(rows: list[UsageRow]) -> list:
-    try:
-        from ..metrics import AllocationUsage
-    except ImportError:  # metrics module not installed: hand over our rows, same fields
-        return rows
-    return [AllocationUsage(**r.__dict__) for r in rows]

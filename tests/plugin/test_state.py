@@ -1,0 +1,92 @@
+"""Allocations on disk: atomic replacement, round trip, damaged files kept aside."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpsd.errors import PluginError
+from mpsd.plugin.state import Allocation, StateStore, write_atomic
+
+GIB = 1 << 30
+
+allocations = st.builds(
+    Allocation,
+    allocation_id=st.from_regex(r"alloc-[0-9a-f]{16}", fullmatch=True),
+    device_ids=st.lists(st.from_regex(r"GPU-[0-9a-f]{4}::[0-9]{1,2}", fullmatch=True), min_size=1, max_size=5).map(tuple),
+    gpus=st.lists(st.from_regex(r"GPU-[0-9a-f]{4}", fullmatch=True), min_size=1, max_size=3).map(tuple),
+    memory_limits=st.dictionaries(st.integers(0, 7), st.integers(0, 1 << 50), max_size=3),
+    active_thread_percentage=st.floats(0.01, 100.0),
+    region_dir=st.text(min_size=1, max_size=20),
+    created=st.floats(0, 2e9),
+    pod=st.text(max_size=10),
+    namespace=st.text(max_size=10),
+    container=st.text(max_size=10),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(allocations, max_size=5, unique_by=lambda a: a.allocation_id))
+def test_what_is_put_is_what_a_new_store_loads(tmp_path_factory, items):
+    path = str(tmp_path_factory.mktemp("state") / "s.json")
+    store = StateStore(path)
+    store.put_many(items)
+    assert StateStore(path).load() == {a.allocation_id: a for a in items}
+
+
+def test_remove_and_reload(tmp_path):
+    path = str(tmp_path / "s.json")
+    a = Allocation("a1", ("GPU-a::0",), ("GPU-a",), {0: GIB}, 10.0, "/r/a1", 1.0)
+    b = Allocation("b1", ("GPU-a::1",), ("GPU-a",), {0: GIB}, 10.0, "/r/b1", 2.0)
+    store = StateStore(path)
+    store.put(a)
+    store.put(b)
+    assert [x.allocation_id for x in store.remove(["a1", "zz"])] == ["a1"]
+    assert list(StateStore(path).load()) == ["b1"]
+    assert os.listdir(tmp_path) == ["s.json"]  # no temporary files left
+
+
+def test_missing_file_is_an_empty_state(tmp_path):
+    assert StateStore(str(tmp_path / "none.json")).load() == {}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b'{"version": 99, "allocations": []}', b'{"version": 1, "allocations": [{"x": 1}]}', b"[]"],
+)
+def test_damaged_file_is_kept_aside_and_reported(tmp_path, caplog, content):
+    path = tmp_path / "s.json"
+    path.write_bytes(content)
+    with caplog.at_level("ERROR", logger="mpsd.plugin.state"):
+        assert StateStore(str(path)).load() == {}
+    assert (tmp_path / "s.json.bad").read_bytes() == content  # nothing lost
+    assert "state file unreadable" in caplog.text and str(path) in caplog.text
+
+
+def test_write_atomic_replaces_by_rename(tmp_path):
+    path = tmp_path / "f"
+    write_atomic(str(path), b"one")
+    inode = path.stat().st_ino
+    write_atomic(str(path), b"two", mode=0o600)
+    assert path.read_bytes() == b"two"
+    assert path.stat().st_ino != inode
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_write_atomic_failure_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(PluginError, match=r"cannot write .*file/sub/s\.json"):
+        write_atomic(str(blocker / "sub" / "s.json"), b"{}")
+
+
+def test_state_file_is_json_with_a_version(tmp_path):
+    path = tmp_path / "s.json"
+    StateStore(str(path)).put(Allocation("a1", ("GPU-a::0",), ("GPU-a",), {0: GIB}, 10.0, "/r/a1", 1.0))
+    data = json.loads(path.read_text())
+    assert data["version"] == 1
+    assert data["allocations"][0]["memory_limits"] == {"0": GIB}
