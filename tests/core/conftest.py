@@ -1,0 +1,109 @@
+"""Builds the C core's test drivers (tests/core/Makefile) once per session and talks to them.
+
+- `core_bin`: the build directory holding limits_cli, region_cli, track_test, each also as a
+  `*_san` twin built with AddressSanitizer + UndefinedBehaviorSanitizer (and the region's
+  invariant check at every unlock).
+- `LineProc`: a driver process answering one stdout line per stdin line.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ["", "_san"]
+# Sanitizer runs must fail loudly; leak checking off (drivers exit with live tables on purpose).
+SAN_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
+    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+}
+
+
+def driver_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(SAN_ENV)
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def core_bin() -> Path:
+    build = HERE / "build"
+    proc = subprocess.run(
+        ["make", "-s", "-j2", "-C", str(HERE), f"BUILD={build}"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"building the core test drivers failed:\n{proc.stdout}{proc.stderr}")
+    return build
+
+
+class LineProc:
+    """A long-running driver: ask(line) writes one line and returns its one-line answer."""
+
+    def __init__(self, argv: list[str | os.PathLike[str]], **popen: object) -> None:
+        self.argv = [str(a) for a in argv]
+        self.killed = False
+        self._stderr = ""
+        self.proc = subprocess.Popen(  # noqa: S603 - our own test driver
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=driver_env(),
+            **popen,  # type: ignore[arg-type]
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def ask(self, line: str | bytes) -> str:
+        data = line if isinstance(line, bytes) else line.encode()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(data + b"\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            self.proc.wait(timeout=10)
+            err = self.stderr_text()
+            raise AssertionError(f"{self.argv} died ({self.proc.returncode}) on {data!r}:\n{err}")
+        return answer.decode(errors="replace").rstrip("\n")
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            self._stderr = self.proc.stderr.read().decode(errors="replace")
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash): the driver's exit status is then not checked."""
+        self.killed = True
+        self.proc.kill()
+        self.proc.wait(timeout=20)
+
+    def stderr_text(self) -> str:
+        if self.proc.stderr is not None and not self.proc.stderr.closed and self.proc.poll() is not None:
+            self._stderr = self.proc.stderr.read().decode(errors="replace")
+        return self._stderr
+
+    def __enter__(self) -> LineProc:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        rc = self.close()
+        if t is None and not self.killed and rc != 0:
+            raise AssertionError(f"{self.argv} exited {rc}:\n{self.stderr_text()}")

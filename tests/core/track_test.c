@@ -1,0 +1,172 @@
+/* Drives csrc/track.c from tests.
+ *
+ *   track_test ops        stdin lines "a KIND KEY DEV BYTES" / "r KIND KEY"; answers "ok"/"fail"
+ *                         for adds, "1 DEV BYTES" or "0" for removes (Python keeps the model).
+ *   track_test threads N OPS SEED
+ *                         N threads each run OPS random adds/removes on keys of their own plus
+ *                         keys handed over between threads, checked against per-thread models;
+ *                         prints "ok adds=.. removes=.." or "FAIL ..." and exits 1. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "track.h"
+
+static int ops(void) {
+    char line[256];
+    int kind, dev;
+    unsigned long long key, bytes;
+    while (fgets(line, sizeof line, stdin)) {
+        if (sscanf(line, "a %d %llu %d %llu", &kind, &key, &dev, &bytes) == 4) {
+            printf("%s\n", ms_track_add(kind, key, dev, bytes) == 0 ? "ok" : "fail");
+        } else if (sscanf(line, "r %d %llu", &kind, &key) == 2) {
+            int d = -7;
+            uint64_t b = 7;
+            if (ms_track_remove(kind, key, &d, &b))
+                printf("1 %d %llu\n", d, (unsigned long long)b);
+            else
+                printf("0\n");
+        } else {
+            printf("what? %s", line);
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
+
+#define LIVE 512
+
+typedef struct tstate {
+    int id, nthreads;
+    long ops;
+    uint64_t seed;
+    long adds, removes;
+    char fail[256];
+} tstate;
+
+/* Keys handed from thread i to thread (i+1) % n through a small locked mailbox. */
+typedef struct mailbox {
+    pthread_mutex_t lock;
+    int n;
+    uint64_t key[LIVE];
+    uint64_t bytes[LIVE];
+} mailbox;
+
+static mailbox *boxes;
+
+static uint64_t rnd(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *s = x;
+}
+
+static void *worker(void *arg) {
+    tstate *t = arg;
+    uint64_t key[LIVE], bytes[LIVE];
+    int n = 0;
+    uint64_t next = ((uint64_t)t->id << 40) | 0x1000;
+    mailbox *in = &boxes[t->id], *out = &boxes[(t->id + 1) % t->nthreads];
+    for (long k = 0; k < t->ops && !t->fail[0]; k++) {
+        uint64_t r = rnd(&t->seed);
+        int kind = (int)(r >> 60) & 1;
+        if (n < LIVE && (r % 3 != 0 || n == 0)) {
+            key[n] = next += 0x200 * (1 + (r >> 20) % 7);
+            key[n] |= (uint64_t)kind; /* the kind is the low bit, so remove knows it */
+            bytes[n] = 1 + (r >> 8) % 100000;
+            if (ms_track_add((int)(key[n] & 1), key[n], t->id % 8, bytes[n]) != 0) {
+                snprintf(t->fail, sizeof t->fail, "add failed");
+                break;
+            }
+            n++;
+            t->adds++;
+        } else if (n > 0 && (r >> 32) % 8 == 0) { /* hand one over to the next thread */
+            int i = (int)((r >> 4) % (uint64_t)n);
+            pthread_mutex_lock(&out->lock);
+            if (out->n < LIVE) {
+                out->key[out->n] = key[i];
+                out->bytes[out->n++] = bytes[i];
+                key[i] = key[--n];
+                bytes[i] = bytes[n];
+            }
+            pthread_mutex_unlock(&out->lock);
+        } else if (n > 0) {
+            int i = (int)((r >> 4) % (uint64_t)n);
+            int d = -1;
+            uint64_t b = 0;
+            if (!ms_track_remove((int)(key[i] & 1), key[i], &d, &b) || b != bytes[i]) {
+                snprintf(t->fail, sizeof t->fail, "thread %d: key %#llx lost or wrong size %llu != %llu", t->id,
+                         (unsigned long long)key[i], (unsigned long long)b, (unsigned long long)bytes[i]);
+                break;
+            }
+            if (ms_track_remove((int)(key[i] & 1), key[i], &d, &b)) {
+                snprintf(t->fail, sizeof t->fail, "key %#llx removed twice", (unsigned long long)key[i]);
+                break;
+            }
+            key[i] = key[--n];
+            bytes[i] = bytes[n];
+            t->removes++;
+        }
+        if ((k & 63) == 0) { /* take handed-over keys and free them as ours */
+            pthread_mutex_lock(&in->lock);
+            while (in->n > 0 && n < LIVE) {
+                in->n--;
+                key[n] = in->key[in->n];
+                bytes[n++] = in->bytes[in->n];
+            }
+            pthread_mutex_unlock(&in->lock);
+        }
+    }
+    for (int i = 0; i < n && !t->fail[0]; i++) {
+        uint64_t b = 0;
+        if (!ms_track_remove((int)(key[i] & 1), key[i], NULL, &b) || b != bytes[i])
+            snprintf(t->fail, sizeof t->fail, "final remove of %#llx failed", (unsigned long long)key[i]);
+    }
+    return NULL;
+}
+
+static int threads(int nthreads, long nops, uint64_t seed) {
+    tstate *t = calloc((size_t)nthreads, sizeof *t);
+    pthread_t *tid = calloc((size_t)nthreads, sizeof *tid);
+    boxes = calloc((size_t)nthreads, sizeof *boxes);
+    for (int i = 0; i < nthreads; i++) {
+        pthread_mutex_init(&boxes[i].lock, NULL);
+        t[i] = (tstate){.id = i, .nthreads = nthreads, .ops = nops, .seed = seed * 31 + (uint64_t)i + 1};
+        pthread_create(&tid[i], NULL, worker, &t[i]);
+    }
+    long adds = 0, removes = 0;
+    int bad = 0;
+    for (int i = 0; i < nthreads; i++) {
+        pthread_join(tid[i], NULL);
+        adds += t[i].adds;
+        removes += t[i].removes;
+        if (t[i].fail[0]) {
+            printf("FAIL %s\n", t[i].fail);
+            bad = 1;
+        }
+    }
+    /* keys still in mailboxes after every thread stopped: they must all be known */
+    for (int i = 0; i < nthreads; i++)
+        for (int j = 0; j < boxes[i].n; j++) {
+            uint64_t b = 0;
+            if (!ms_track_remove((int)(boxes[i].key[j] & 1), boxes[i].key[j], NULL, &b) || b != boxes[i].bytes[j]) {
+                printf("FAIL mailbox key %#llx lost\n", (unsigned long long)boxes[i].key[j]);
+                bad = 1;
+            }
+        }
+    if (!bad) printf("ok adds=%ld removes=%ld\n", adds, removes);
+    free(t);
+    free(tid);
+    free(boxes);
+    return bad;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "ops") == 0) return ops();
+    if (argc == 5 && strcmp(argv[1], "threads") == 0)
+        return threads(atoi(argv[2]), atol(argv[3]), strtoull(argv[4], NULL, 0));
+    fprintf(stderr, "usage: %s ops | threads N OPS SEED\n", argv[0]);
+    return 2;
+}
