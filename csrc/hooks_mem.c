@@ -1,0 +1,387 @@
+/* Allocation hooks: charge before the driver is called, roll back if it fails, remember
+ * what was charged (track.h) so the matching free uncharges exactly that.
+ *
+ * Which device pays:
+ *  - cuMemCreate: prop->location.id when location.type is DEVICE (other locations, e.g. host
+ *    NUMA memory, are not device memory and pass through uncharged);
+ *  - every other allocation: the device of the calling thread's current context
+ *    (cuCtxGetDevice). If that fails while caps are set, the allocation is refused with the
+ *    error cuCtxGetDevice returned (e.g. CUDA_ERROR_INVALID_CONTEXT), without calling the
+ *    driver: the driver refuses an allocation without a current context for the same
+ *    reason, and forwarding it uncharged could let memory past the cap. Async and pool
+ *    allocations are charged to the current context's device too (the stream's or pool's
+ *    device is the same in the usual one-device-per-process set-up).
+ *  - Managed memory is charged in full to the current device; pool allocations are charged
+ *    the requested size (memory a pool keeps cached after a free is not counted).
+ * Frees of pointers or handles the shim did not charge are forwarded without uncharging. */
+#include <string.h>
+
+#include "hooks.h"
+#include "log.h"
+#include "state.h"
+#include "track.h"
+
+typedef struct charge {
+    int charged;
+    int dev;
+    uint64_t cap;
+    uint64_t bytes;
+} charge;
+
+static ms_ratelimit g_oom_rl;
+static ms_ratelimit g_refuse_rl;
+
+static uint64_t sat_mul(uint64_t a, uint64_t b)
+{
+    uint64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+
+static void report_over_cap(const char *fn, int dev, uint64_t cap, uint64_t in_use, uint64_t bytes)
+{
+    ms_log_limited(&g_oom_rl, MS_LOG_WARN,
+                   "%s refused with CUDA_ERROR_OUT_OF_MEMORY: device %d cap %llu bytes, in use %llu, requested %llu "
+                   "(CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)",
+                   fn, dev, (unsigned long long)cap, (unsigned long long)in_use, (unsigned long long)bytes);
+}
+
+/* Decide whether `bytes` may be allocated on `dev` (or, dev < 0, the current context's
+ * device) and charge them. CUDA_SUCCESS (c->charged says if anything was charged), or the
+ * error to return without calling the driver. */
+static CUresult charge_begin(const char *fn, int dev, uint64_t bytes, charge *c)
+{
+    c->charged = 0;
+    if (ms_disabled())
+        return CUDA_SUCCESS;
+    const ms_state *s = ms_state_get();
+    if (s->limits_bad) /* the one line was printed when the variable was read */
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (s->limits.count == 0)
+        return CUDA_SUCCESS;
+    if (dev < 0) {
+        ms_cuCtxGetDevice_fn get = (ms_cuCtxGetDevice_fn)ms_real_fn(MS_ID_cuCtxGetDevice);
+        if (get == NULL)
+            return ms_no_driver("cuCtxGetDevice");
+        CUresult rc = get(&dev);
+        if (rc != CUDA_SUCCESS) {
+            ms_log_limited(&g_refuse_rl, MS_LOG_INFO, "%s refused with %d: cuCtxGetDevice failed (no current context?)",
+                           fn, rc);
+            return rc;
+        }
+    }
+    uint64_t cap = 0;
+    int capped = ms_cap_of_device(dev, &cap);
+    if (capped == 0)
+        return CUDA_SUCCESS;
+    if (capped < 0) {
+        ms_log_limited(&g_refuse_rl, MS_LOG_WARN, "%s refused on device %d: its cap cannot be determined", fn, dev);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (s->region == NULL) /* the one line was printed when the region failed to open */
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t in_use = 0;
+    int r = ms_region_charge(s->region, dev, cap, bytes, &in_use);
+    if (r == MS_OVER_CAP) {
+        report_over_cap(fn, dev, cap, in_use, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (r != MS_OK) {
+        ms_log_limited(&g_refuse_rl, MS_LOG_ERROR, "%s refused: accounting region %s is corrupted", fn,
+                       s->region_path);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    c->charged = 1;
+    c->dev = dev;
+    c->cap = cap;
+    c->bytes = bytes;
+    return CUDA_SUCCESS;
+}
+
+static void uncharge(int dev, uint64_t bytes)
+{
+    ms_region *r = ms_state_get()->region;
+    if (r != NULL)
+        ms_region_uncharge(r, dev, bytes);
+}
+
+/* How to give an allocation back when it cannot be remembered. */
+typedef enum undo_kind { UNDO_FREE_V2, UNDO_FREE_V1, UNDO_RELEASE } undo_kind;
+
+static void undo_alloc(undo_kind kind, uint64_t key)
+{
+    if (kind == UNDO_FREE_V2) {
+        __typeof(ms_hk_cuMemFree_v2) *f = (__typeof(f))ms_real_fn(MS_ID_cuMemFree_v2);
+        if (f != NULL)
+            f((CUdeviceptr)key);
+    } else if (kind == UNDO_FREE_V1) {
+        __typeof(ms_hk_cuMemFree) *f = (__typeof(f))ms_real_fn(MS_ID_cuMemFree);
+        if (f != NULL)
+            f((CUdeviceptr_v1)key);
+    } else {
+        __typeof(ms_hk_cuMemRelease) *f = (__typeof(f))ms_real_fn(MS_ID_cuMemRelease);
+        if (f != NULL)
+            f((CUmemGenericAllocationHandle)key);
+    }
+}
+
+/* After the driver answered `rc`: roll back on failure, remember the charge on success. */
+static CUresult charge_end(const char *fn, charge *c, CUresult rc, int kind, uint64_t key, undo_kind undo)
+{
+    if (!c->charged)
+        return rc;
+    if (rc != CUDA_SUCCESS) {
+        uncharge(c->dev, c->bytes);
+        return rc;
+    }
+    if (ms_track_add(kind, key, c->dev, c->bytes) != 0) {
+        undo_alloc(undo, key);
+        uncharge(c->dev, c->bytes);
+        ms_log(MS_LOG_ERROR, "%s refused: no memory to remember the allocation", fn);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+typedef struct forget {
+    int known;
+    int dev;
+    uint64_t bytes;
+} forget;
+
+/* Take the allocation out of the table before the driver frees it, so a racing allocation
+ * that gets the same address cannot be forgotten instead. */
+static void forget_begin(int kind, uint64_t key, forget *f)
+{
+    f->known = !ms_disabled() && ms_track_remove(kind, key, &f->dev, &f->bytes);
+}
+
+static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)
+{
+    if (!f->known)
+        return rc;
+    if (rc == CUDA_SUCCESS)
+        uncharge(f->dev, f->bytes);
+    else
+        ms_track_add(kind, key, f->dev, f->bytes); /* the driver kept it: keep its charge */
+    return rc;
+}
+
+/* The real function of hook NAME, typed like the hook. */
+#define REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fn(MS_ID_##NAME))
+
+/* ---- allocations ---------------------------------------------------------------------- */
+
+CUresult ms_hk_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    __typeof(ms_hk_cuMemAlloc_v2) *real = REAL(cuMemAlloc_v2);
+    if (real == NULL)
+        return ms_no_driver("cuMemAlloc_v2");
+    charge c;
+    CUresult rc = charge_begin("cuMemAlloc_v2", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize);
+    return charge_end("cuMemAlloc_v2", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAlloc_v2)
+
+/* 2000-era ABI: 32-bit size and pointer. */
+CUresult ms_hk_cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
+{
+    __typeof(ms_hk_cuMemAlloc) *real = REAL(cuMemAlloc);
+    if (real == NULL)
+        return ms_no_driver("cuMemAlloc");
+    charge c;
+    CUresult rc = charge_begin("cuMemAlloc", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize);
+    return charge_end("cuMemAlloc", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V1);
+}
+MS_EXPORT_AS(cuMemAlloc)
+
+/* Charged width*height first (the least the driver can hand out), then corrected to
+ * pitch*height as returned; a correction past the cap frees the allocation again. */
+CUresult ms_hk_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                  unsigned int elementSize)
+{
+    __typeof(ms_hk_cuMemAllocPitch_v2) *real = REAL(cuMemAllocPitch_v2);
+    if (real == NULL)
+        return ms_no_driver("cuMemAllocPitch_v2");
+    charge c;
+    uint64_t estimate = sat_mul(width, height);
+    CUresult rc = charge_begin("cuMemAllocPitch_v2", -1, estimate, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, pitch, width, height, elementSize);
+    if (c.charged && rc == CUDA_SUCCESS) {
+        uint64_t actual = sat_mul(*pitch, height);
+        if (actual > estimate) {
+            uint64_t in_use = 0;
+            ms_region *r = ms_state_get()->region;
+            if (ms_region_charge(r, c.dev, c.cap, actual - estimate, &in_use) != MS_OK) {
+                undo_alloc(UNDO_FREE_V2, *dptr);
+                uncharge(c.dev, estimate);
+                report_over_cap("cuMemAllocPitch_v2", c.dev, c.cap, in_use, actual);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+        } else if (actual < estimate) {
+            uncharge(c.dev, estimate - actual);
+        }
+        c.bytes = actual;
+    }
+    return charge_end("cuMemAllocPitch_v2", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAllocPitch_v2)
+
+CUresult ms_hk_cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    __typeof(ms_hk_cuMemAllocManaged) *real = REAL(cuMemAllocManaged);
+    if (real == NULL)
+        return ms_no_driver("cuMemAllocManaged");
+    charge c;
+    CUresult rc = charge_begin("cuMemAllocManaged", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize, flags);
+    return charge_end("cuMemAllocManaged", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAllocManaged)
+
+/* Stream-ordered allocations. cuMemFree_v2 may free them too, so it is the undo. */
+CUresult ms_hk_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream stream)
+{
+    __typeof(ms_hk_cuMemAllocAsync) *real = REAL(cuMemAllocAsync);
+    if (real == NULL)
+        return ms_no_driver("cuMemAllocAsync");
+    charge c;
+    CUresult rc = charge_begin("cuMemAllocAsync", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize, stream);
+    return charge_end("cuMemAllocAsync", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAllocAsync)
+
+CUresult ms_hk_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream stream)
+{
+    __typeof(ms_hk_cuMemAllocAsync_ptsz) *real = REAL(cuMemAllocAsync_ptsz);
+    if (real == NULL)
+        return ms_no_driver("cuMemAllocAsync_ptsz");
+    charge c;
+    CUresult rc = charge_begin("cuMemAllocAsync_ptsz", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize, stream);
+    return charge_end("cuMemAllocAsync_ptsz", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAllocAsync_ptsz)
+
+CUresult ms_hk_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream)
+{
+    __typeof(ms_hk_cuMemAllocFromPoolAsync) *real = REAL(cuMemAllocFromPoolAsync);
+    if (real == NULL)
+        return ms_no_driver("cuMemAllocFromPoolAsync");
+    charge c;
+    CUresult rc = charge_begin("cuMemAllocFromPoolAsync", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize, pool, stream);
+    return charge_end("cuMemAllocFromPoolAsync", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAllocFromPoolAsync)
+
+CUresult ms_hk_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream)
+{
+    __typeof(ms_hk_cuMemAllocFromPoolAsync_ptsz) *real = REAL(cuMemAllocFromPoolAsync_ptsz);
+    if (real == NULL)
+        return ms_no_driver("cuMemAllocFromPoolAsync_ptsz");
+    charge c;
+    CUresult rc = charge_begin("cuMemAllocFromPoolAsync_ptsz", -1, bytesize, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize, pool, stream);
+    return charge_end("cuMemAllocFromPoolAsync_ptsz", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+}
+MS_EXPORT_AS(cuMemAllocFromPoolAsync_ptsz)
+
+CUresult ms_hk_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                           unsigned long long flags)
+{
+    __typeof(ms_hk_cuMemCreate) *real = REAL(cuMemCreate);
+    if (real == NULL)
+        return ms_no_driver("cuMemCreate");
+    int type = 0, dev = 0;
+    if (prop != NULL) {
+        memcpy(&type, (const char *)prop + MS_PROP_LOCATION_TYPE_OFFSET, sizeof type);
+        memcpy(&dev, (const char *)prop + MS_PROP_LOCATION_ID_OFFSET, sizeof dev);
+    }
+    if (prop == NULL || type != CU_MEM_LOCATION_TYPE_DEVICE || dev < 0)
+        return real(handle, size, prop, flags); /* not device memory, or the driver refuses it */
+    charge c;
+    CUresult rc = charge_begin("cuMemCreate", dev, size, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(handle, size, prop, flags);
+    return charge_end("cuMemCreate", &c, rc, MS_TRACK_HANDLE, rc == CUDA_SUCCESS ? *handle : 0, UNDO_RELEASE);
+}
+MS_EXPORT_AS(cuMemCreate)
+
+/* ---- frees ---------------------------------------------------------------------------- */
+
+CUresult ms_hk_cuMemFree_v2(CUdeviceptr dptr)
+{
+    __typeof(ms_hk_cuMemFree_v2) *real = REAL(cuMemFree_v2);
+    if (real == NULL)
+        return ms_no_driver("cuMemFree_v2");
+    forget f;
+    forget_begin(MS_TRACK_PTR, dptr, &f);
+    return forget_end(&f, real(dptr), MS_TRACK_PTR, dptr);
+}
+MS_EXPORT_AS(cuMemFree_v2)
+
+CUresult ms_hk_cuMemFree(CUdeviceptr_v1 dptr)
+{
+    __typeof(ms_hk_cuMemFree) *real = REAL(cuMemFree);
+    if (real == NULL)
+        return ms_no_driver("cuMemFree");
+    forget f;
+    forget_begin(MS_TRACK_PTR, dptr, &f);
+    return forget_end(&f, real(dptr), MS_TRACK_PTR, dptr);
+}
+MS_EXPORT_AS(cuMemFree)
+
+/* The memory goes back to the pool in stream order; it is uncharged now. */
+CUresult ms_hk_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
+{
+    __typeof(ms_hk_cuMemFreeAsync) *real = REAL(cuMemFreeAsync);
+    if (real == NULL)
+        return ms_no_driver("cuMemFreeAsync");
+    forget f;
+    forget_begin(MS_TRACK_PTR, dptr, &f);
+    return forget_end(&f, real(dptr, stream), MS_TRACK_PTR, dptr);
+}
+MS_EXPORT_AS(cuMemFreeAsync)
+
+CUresult ms_hk_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
+{
+    __typeof(ms_hk_cuMemFreeAsync_ptsz) *real = REAL(cuMemFreeAsync_ptsz);
+    if (real == NULL)
+        return ms_no_driver("cuMemFreeAsync_ptsz");
+    forget f;
+    forget_begin(MS_TRACK_PTR, dptr, &f);
+    return forget_end(&f, real(dptr, stream), MS_TRACK_PTR, dptr);
+}
+MS_EXPORT_AS(cuMemFreeAsync_ptsz)
+
+/* Uncharged at release, even if the handle is still mapped (the driver frees it at unmap). */
+CUresult ms_hk_cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    __typeof(ms_hk_cuMemRelease) *real = REAL(cuMemRelease);
+    if (real == NULL)
+        return ms_no_driver("cuMemRelease");
+    forget f;
+    forget_begin(MS_TRACK_HANDLE, handle, &f);
+    return forget_end(&f, real(handle), MS_TRACK_HANDLE, handle);
+}
+MS_EXPORT_AS(cuMemRelease)

@@ -1,0 +1,182 @@
+/* Configuration from the environment (see state.h), read once under pthread_once. */
+#include "state.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "hooks.h"
+#include "log.h"
+
+#define LIMIT_VAR "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+static ms_state g_state;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_disabled = -1;
+
+static int parse_bool(const char *text, int *out)
+{
+    static const char *const yes[] = {"1", "true", "yes", "on"};
+    static const char *const no[] = {"", "0", "false", "no", "off"};
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
+        if (strcasecmp(text, yes[i]) == 0)
+            return *out = 1, 0;
+    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
+        if (strcasecmp(text, no[i]) == 0)
+            return *out = 0, 0;
+    return -1;
+}
+
+int ms_disabled(void)
+{
+    int d = __atomic_load_n(&g_disabled, __ATOMIC_RELAXED);
+    if (d >= 0)
+        return d;
+    const char *text = getenv("MPSSHIM_DISABLE");
+    d = 0;
+    if (text != NULL && parse_bool(text, &d) != 0) {
+        d = 0; /* keep the caps: a typo must not switch enforcement off */
+        ms_log(MS_LOG_ERROR, "MPSSHIM_DISABLE=\"%s\" is not one of 1/0/true/false/yes/no/on/off; caps stay on",
+               text);
+    }
+    __atomic_store_n(&g_disabled, d, __ATOMIC_RELAXED);
+    return d;
+}
+
+void ms_region_path(char *buf, size_t len)
+{
+    const char *env = getenv("MPSSHIM_REGION");
+    if (env != NULL && env[0] != '\0')
+        snprintf(buf, len, "%s", env);
+    else
+        snprintf(buf, len, "/tmp/mpsshim-%u.region", (unsigned)getuid());
+}
+
+static void init_log_level(void)
+{
+    const char *text = getenv("MPSSHIM_LOG");
+    if (text == NULL || text[0] == '\0')
+        return;
+    int level = ms_log_parse_level(text);
+    if (level < 0)
+        ms_log(MS_LOG_WARN, "MPSSHIM_LOG=\"%s\" is not 0..3 or error/warn/info/debug; using warn", text);
+    else
+        ms_log_set_level(level);
+}
+
+static void init_once(void)
+{
+    ms_state *s = &g_state;
+    init_log_level();
+    const char *text = getenv(LIMIT_VAR);
+    if (text != NULL && text[0] != '\0') {
+        char err[256];
+        if (ms_parse_limits(text, &s->limits, err, sizeof err) != 0) {
+            s->limits_bad = 1;
+            s->limits.count = 0;
+            ms_log(MS_LOG_ERROR,
+                   LIMIT_VAR "=\"%.200s\" is malformed (%s); cuInit fails with CUDA_ERROR_INVALID_VALUE "
+                             "and every allocation is refused",
+                   text, err);
+            return;
+        }
+    }
+    for (int i = 0; i < s->limits.count; i++)
+        if (s->limits.item[i].ordinal < 0)
+            s->limits_by_uuid = 1;
+    if (s->limits.count == 0) {
+        ms_log(MS_LOG_INFO, "no memory caps (" LIMIT_VAR " unset or empty): allocations pass through");
+        return;
+    }
+    ms_region_path(s->region_path, sizeof s->region_path);
+    char err[512];
+    if (ms_region_open(s->region_path, &s->region, err, sizeof err) != 0) {
+        s->region = NULL;
+        s->region_bad = 1;
+        ms_log(MS_LOG_ERROR,
+               "accounting region \"%s\" is unusable (%s); allocations on capped devices are refused "
+               "(set MPSSHIM_REGION to a writable file path)",
+               s->region_path, err);
+        return;
+    }
+    ms_log(MS_LOG_INFO, "%d memory cap(s) from " LIMIT_VAR "=\"%.200s\", region %s", s->limits.count, text,
+           s->region_path);
+}
+
+const ms_state *ms_state_get(void)
+{
+    pthread_once(&g_once, init_once);
+    return &g_state;
+}
+
+void ms_format_uuid(const unsigned char b[16], const char *prefix, char *out, size_t len)
+{
+    snprintf(out, len,
+             "%s-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", prefix, b[0], b[1],
+             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* Per-device cache of the cap decision: 0 unknown, 1 uncapped, 2 capped (g_cap valid). */
+static int g_cap_state[MS_MAX_DEVICES];
+static uint64_t g_cap[MS_MAX_DEVICES];
+
+static int device_uuid(int dev, unsigned char bytes[16])
+{
+    CUuuid u;
+    ms_cuDeviceGetUuid_fn get = (ms_cuDeviceGetUuid_fn)ms_real_fn(MS_ID_cuDeviceGetUuid_v2);
+    if (get == NULL)
+        get = (ms_cuDeviceGetUuid_fn)ms_real_fn(MS_ID_cuDeviceGetUuid);
+    if (get == NULL)
+        return -1;
+    CUresult rc = get(&u, dev);
+    if (rc != CUDA_SUCCESS) {
+        ms_log(MS_LOG_WARN, "cuDeviceGetUuid(%d) failed with %d: cannot tell whether device %d is capped", dev, rc,
+               dev);
+        return -1;
+    }
+    memcpy(bytes, u.bytes, 16);
+    return 0;
+}
+
+int ms_cap_of_device(int dev, uint64_t *cap)
+{
+    const ms_state *s = ms_state_get();
+    if (s->limits.count == 0)
+        return 0;
+    if (dev < 0 || dev >= MS_MAX_DEVICES)
+        return -1;
+    int st = __atomic_load_n(&g_cap_state[dev], __ATOMIC_ACQUIRE);
+    if (st == 1)
+        return 0;
+    if (st == 2) {
+        *cap = g_cap[dev];
+        return 1;
+    }
+    int found = 0;
+    uint64_t bytes = 0;
+    if (!s->limits_by_uuid) {
+        found = ms_limits_find(&s->limits, dev, NULL, &bytes);
+    } else {
+        unsigned char u[16];
+        if (device_uuid(dev, u) != 0)
+            return -1; /* not cached: the next call asks again */
+        char text[64];
+        ms_format_uuid(u, "GPU", text, sizeof text);
+        found = ms_limits_find(&s->limits, dev, text, &bytes);
+        if (!found) {
+            ms_format_uuid(u, "MIG", text, sizeof text);
+            found = ms_limits_find(&s->limits, dev, text, &bytes);
+        }
+    }
+    if (found) {
+        g_cap[dev] = bytes;
+        __atomic_store_n(&g_cap_state[dev], 2, __ATOMIC_RELEASE);
+        *cap = bytes;
+        return 1;
+    }
+    __atomic_store_n(&g_cap_state[dev], 1, __ATOMIC_RELEASE);
+    return 0;
+}
