@@ -45,12 +45,13 @@ def _gpu_lister(inventory) -> Callable[[], list]:
     return gpus
 
 
-def _observer(metrics, inventory, gpus: Callable[[], list]) -> Callable[[Status], None]:
+def _observer(metrics, inventory, gpus: Callable[[], list], board: HealthBoard) -> Callable[[Status], None]:
     """Push each supervisor status (and NVML's view) into the Prometheus objects."""
 
     def observe(status: Status) -> None:
         if metrics is None:
             return
+        health = board.current()
         metrics.update_supervisor(
             daemon_up=status.state == "running",
             restarts=status.restarts,
@@ -61,7 +62,9 @@ def _observer(metrics, inventory, gpus: Callable[[], list]) -> Callable[[Status]
         )
         if inventory is not None and status.state == "running":
             try:
-                metrics.update_gpus(gpus(), inventory.mps_clients())
+                listed = gpus()
+                metrics.update_gpus(listed, inventory.mps_clients())
+                metrics.set_device_health({g.index: health.gpu_healthy(g.index) for g in listed})
             except InventoryError as exc:
                 log.warning("NVML query failed: %s", exc)
 
@@ -84,17 +87,14 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
     supervisor = Supervisor(
         config, board, reload=reload,
         gpu_indices=lambda: [g.index for g in gpus()],
-        on_status=_observer(metrics, inventory, gpus),
+        on_status=_observer(metrics, inventory, gpus, board),
     )
+    supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     if metrics is not None:
-        state = lambda: board.current()  # noqa: E731
-        server = serve(config.metrics_address, metrics,
-                       live=supervisor.loop_alive.is_set,
-                       ready=lambda: state().daemon_up and state().configured)
+        server = serve(config.metrics_address, metrics, live=supervisor.loop_alive.is_set, ready=lambda: _ready(board))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
     plugin_thread = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
-    supervisor.install_signal_handlers()
     try:
         return supervisor.run()
     finally:
@@ -105,6 +105,13 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
             server.close()
         if inventory is not None:
             inventory.close()
+
+
+def _ready(board: HealthBoard) -> tuple[bool, str]:
+    state = board.current()
+    if state.daemon_up and state.configured:
+        return True, ""
+    return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
 
 
 def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> threading.Thread | None:
