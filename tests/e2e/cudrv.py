@@ -39,6 +39,14 @@ class MemAllocationProp(ctypes.Structure):
     ]
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", c_char_p), ("dli_fbase", c_void_p), ("dli_sname", c_char_p), ("dli_saddr", c_void_p)]
+
+
+_libc = ctypes.CDLL(None)
+_libc.dladdr.argtypes = [c_void_p, POINTER(_DlInfo)]
+
+
 class Driver:
     def __init__(self, name: str = "libcuda.so.1") -> None:
         self.lib = ctypes.CDLL(name)
@@ -110,6 +118,14 @@ class Driver:
     def address_of(self, name: str) -> int:
         """The address dlsym gives for an exported name."""
         return ctypes.cast(self.fn(name), c_void_p).value or 0
+
+    @staticmethod
+    def library_of(address: int) -> str:
+        """The file name of the shared object holding an address (dladdr)."""
+        info = _DlInfo()
+        if not _libc.dladdr(c_void_p(address), byref(info)):
+            return ""
+        return (info.dli_fname or b"").decode()
 
     # --- probes of the fake driver (never present in a real one) ---
     def fake_used(self, device: int = 0) -> int:

@@ -1,0 +1,178 @@
+"""The real shim (LD_PRELOAD=libmpsshim.so) in front of the fake driver, driven by a Python
+ctypes client that loads the driver as CuPy and numba do (dlopen "libcuda.so.1" + dlsym of
+"_v2" names on that handle), plus cuGetProcAddress from Python."""
+from __future__ import annotations
+
+import pytest
+
+G = 1 << 30
+M = 1 << 20
+UUID1 = "GPU-face0000-0000-0000-0000-000000000001"
+
+
+def test_cap_refuses_past_the_cap_without_reaching_the_driver(run_py, shim_env):
+    r = run_py(
+        """
+        d = Driver(); d.init()
+        a = d.alloc(768 << 20)
+        emit(refused=attempt(d.alloc, 512 << 20), used=d.fake_used(0), driver_allocs=d.fake_calls("cuMemAlloc_v2"))
+        emit(fits=attempt(d.alloc, 256 << 20) > 0, used=d.fake_used(0))
+        """,
+        shim_env(limit="0=1G"),
+    )
+    refused, fits = r.records
+    assert refused == {"refused": {"error": 2}, "used": 768 * M, "driver_allocs": 1}
+    assert fits == {"fits": True, "used": G}
+    assert f"device 0 cap {G} bytes, in use {768 * M}, requested {512 * M}" in r.stderr
+
+
+def test_free_gives_the_cap_back_and_usage_shows_it(run_py, shim_env, shim_lib, tmp_path):
+    region = tmp_path / "region"
+    r = run_py(
+        f"""
+        import shim
+        def used():
+            return [(u.device, u.cap, u.used) for u in shim.usage({str(region)!r}, library={str(shim_lib)!r})]
+        d = Driver(); d.init()
+        p = d.alloc(1 << 30)
+        emit(full=used(), refused=attempt(d.alloc, 1))
+        d.free(p)
+        emit(after_free=used(), realloc=attempt(d.alloc, 1 << 30) > 0, fake=d.fake_used(0))
+        """,
+        shim_env(limit="0=1G", region=region),
+    )
+    full, after = r.records
+    assert full == {"full": [[0, G, G]], "refused": {"error": 2}}
+    assert after == {"after_free": [[0, G, 0]], "realloc": True, "fake": G}
+
+
+def test_memory_queries_report_the_cap_and_the_container_wide_free(run_py, shim_env):
+    r = run_py(
+        """
+        d = Driver(); d.init()
+        before = d.mem_info()
+        d.alloc(100 << 20)
+        emit(before=before, after=d.mem_info(), total=d.total_mem(0))
+        """,
+        shim_env(limit="0=1G", devices="16G"),
+    )
+    assert r.one == {"before": [G, G], "after": [G - 100 * M, G], "total": G}
+
+
+def test_a_cap_above_the_physical_memory_reports_the_physical_memory(run_py, shim_env):
+    r = run_py("d = Driver(); d.init(); emit(info=d.mem_info(), total=d.total_mem(0))", shim_env(limit="0=64G", devices="2G"))
+    assert r.one == {"info": [2 * G, 2 * G], "total": 2 * G}
+
+
+@pytest.mark.parametrize("limit", ["0=512M", "GPU-face0000-0000-0000-0000-000000000000=512M"])
+def test_uncapped_device_is_untouched(run_py, shim_env, limit):
+    r = run_py(
+        """
+        d = Driver(); d.init(1)
+        big = attempt(d.alloc, 3 << 30) > 0
+        emit(big=big, info=d.mem_info(), total=d.total_mem(1), capped_total=d.total_mem(0), used=d.fake_used(1))
+        d.set_device(0)
+        emit(capped=attempt(d.alloc, 513 << 20), info0=d.mem_info())
+        """,
+        shim_env(limit=limit, devices="1G,4G"),
+    )
+    uncapped, capped = r.records
+    assert uncapped == {"big": True, "info": [G, 4 * G], "total": 4 * G, "capped_total": 512 * M, "used": 3 * G}
+    assert capped == {"capped": {"error": 2}, "info0": [512 * M, 512 * M]}
+
+
+def test_cap_by_uuid_applies_to_that_device_only(run_py, shim_env):
+    r = run_py(
+        """
+        d = Driver(); d.init(1)
+        emit(dev1=attempt(d.alloc, 300 << 20), total1=d.total_mem(1), total0=d.total_mem(0))
+        """,
+        shim_env(limit=f"{UUID1}=256M", devices="1G,1G"),
+    )
+    assert r.one == {"dev1": {"error": 2}, "total1": 256 * M, "total0": G}
+
+
+def test_cu_get_proc_address_hands_out_capped_functions(run_py, shim_env):
+    r = run_py(
+        """
+        import ctypes, os
+        d = Driver(); d.init()
+        ptr, status = d.proc_address("cuMemAlloc", 3020)
+        alloc = ctypes.CFUNCTYPE(c_int, ctypes.POINTER(c_ulonglong), ctypes.c_size_t)(ptr)
+        p = c_ulonglong()
+        emit(status=status, lib=os.path.basename(d.library_of(ptr)),
+             small=alloc(byref(p), 64 << 20), big=alloc(byref(p), 200 << 20), used=d.fake_used(0))
+        launch, _ = d.proc_address("cuLaunchKernel", 4000)
+        emit(launch=os.path.basename(d.library_of(launch)))
+        """,
+        shim_env(limit="0=256M"),
+    )
+    assert r.records == [
+        {"status": 0, "lib": "libmpsshim.so", "small": 0, "big": 2, "used": 64 * M},
+        {"launch": "libcuda.so.1"},  # launches are not hooked: the driver's own pointer
+    ]
+
+
+def test_mem_create_is_charged_and_release_gives_it_back(run_py, shim_env):
+    r = run_py(
+        """
+        d = Driver(); d.init()
+        h = d.mem_create(200 << 20, 0)
+        emit(over=attempt(d.mem_create, 100 << 20, 0), used=d.fake_used(0))
+        d.mem_release(h)
+        emit(again=attempt(d.mem_create, 256 << 20, 0) > 0)
+        """,
+        shim_env(limit="0=256M"),
+    )
+    assert r.records == [{"over": {"error": 2}, "used": 200 * M}, {"again": True}]
+
+
+def test_v1_allocations_are_capped_with_their_32_bit_abi(run_py, shim_env):
+    r = run_py(
+        """
+        d = Driver(); d.init()
+        p = c_uint()
+        ok = d.fn("cuMemAlloc")(byref(p), c_uint(200 << 20))
+        over = d.fn("cuMemAlloc")(byref(c_uint()), c_uint(100 << 20))
+        emit(ok=ok, ptr32=0 < p.value < (1 << 32), over=over, used=d.fake_used(0))
+        emit(free=d.fn("cuMemFree")(p), used=d.fake_used(0), again=d.fn("cuMemAlloc")(byref(p), c_uint(256 << 20)))
+        """,
+        shim_env(limit="0=256M"),
+    )
+    assert r.records == [{"ok": 0, "ptr32": True, "over": 2, "used": 200 * M}, {"free": 0, "used": 0, "again": 0}]
+
+
+def test_disable_passes_everything_through(run_py, shim_env):
+    r = run_py(
+        "d = Driver(); d.init(); emit(big=attempt(d.alloc, 2 << 30) > 0, info=d.mem_info())",
+        shim_env(limit="0=1G", devices="4G", MPSSHIM_DISABLE="1"),
+    )
+    assert r.one == {"big": True, "info": [2 * G, 4 * G]}
+
+
+def test_no_limit_means_no_cap(run_py, shim_env):
+    r = run_py("d = Driver(); d.init(); emit(big=attempt(d.alloc, 3 << 30) > 0, info=d.mem_info())", shim_env(devices="4G"))
+    assert r.one == {"big": True, "info": [G, 4 * G]}
+
+
+@pytest.mark.parametrize("bad", ["0=4Q", "0=1G,0=2G", "0=99999999999T", "x=1G", "0=1G "])
+def test_malformed_limit_fails_init_and_refuses_with_one_line(run_py, shim_env, bad):
+    r = run_py(
+        """
+        d = Driver()
+        emit(init=d.fn("cuInit")(0), alloc=attempt(d.alloc, 1))
+        """,
+        shim_env(limit=bad),
+    )
+    assert r.one["init"] == 1
+    assert r.one["alloc"]["error"] != 0
+    lines = [line for line in r.stderr.splitlines() if "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in line]
+    assert len(lines) == 1 and f'"{bad}" is malformed' in lines[0]
+
+
+def test_corrupted_region_refuses_with_a_clear_line(run_py, shim_env, tmp_path):
+    region = tmp_path / "region"
+    region.write_bytes(b"\x00garbage" * 4096)
+    r = run_py("d = Driver(); d.init(); emit(alloc=attempt(d.alloc, 1 << 20), used=d.fake_used(0))", shim_env(limit="0=1G", region=region))
+    assert r.one == {"alloc": {"error": 2}, "used": 0}
+    assert f'accounting region "{region}" is unusable' in r.stderr
