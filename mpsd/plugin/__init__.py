@@ -28,6 +28,7 @@ disk), ``usage`` (labels, garbage collection, metrics).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -270,5 +271,6 @@ def run_plugin(
         shim_library=shim_library,
         pod_resources_socket=dp.pod_resources_socket or None,
         metrics=metrics,
+        usage_reader=functools.partial(shim_usage, library=shim_library),
     )
     plugin.run(stop)

@@ -78,13 +78,14 @@ def usage_rows(
     return rows
 
 
-def shim_usage(region_path: str) -> dict[int, int]:
-    """Bytes in use per device ordinal in a shim region; {} when no process created it yet."""
+def shim_usage(region_path: str, library: str | None = None) -> dict[int, int]:
+    """Bytes in use per device ordinal in a shim region, read through ``library`` (default:
+    shim.library_path()); {} when no process created the region yet."""
     if not os.path.exists(region_path):
         return {}
     import shim  # the interposer's Python side; imported late so the plugin starts without it
 
-    return {int(d.device): int(d.used) for d in shim.usage(region_path)}
+    return {int(d.device): int(d.used) for d in shim.usage(region_path, library=library)}
 
 
 class UsageTracker:

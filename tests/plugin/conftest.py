@@ -151,8 +151,10 @@ def started(env: Env, kubelet: FakeKubelet) -> Iterator[Callable[..., DevicePlug
         p.stop()
 
 
-def stub(plugin: DevicePlugin) -> tuple[grpc.Channel, api_pb2_grpc.DevicePluginStub]:
-    channel = grpc.insecure_channel("unix://" + plugin.socket_path, options=[("grpc.enable_http_proxy", 0)])
+def stub(plugin: DevicePlugin | str) -> tuple[grpc.Channel, api_pb2_grpc.DevicePluginStub]:
+    """A kubelet-like client of a plugin (or of a plugin socket path)."""
+    path = plugin if isinstance(plugin, str) else plugin.socket_path
+    channel = grpc.insecure_channel("unix://" + path, options=[("grpc.enable_http_proxy", 0)])
     return channel, api_pb2_grpc.DevicePluginStub(channel)
 
 
