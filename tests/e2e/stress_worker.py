@@ -1,0 +1,63 @@
+"""Child process for the stress test: THREADS threads allocate and free random sizes through the
+driver (under the shim) for SECONDS, then free everything and print one JSON line:
+{"pid", "ops", "refused", "errors", "max_fake_used", "final_fake_used"}.
+
+    python -m tests.e2e.stress_worker THREADS SECONDS MAX_BYTES SEED
+"""
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+
+from tests.e2e.cudrv import OUT_OF_MEMORY, CudaError, Driver, c_void_p, emit
+
+
+def main(threads: int, seconds: float, max_bytes: int, seed: int) -> None:
+    import ctypes
+    import os
+
+    d = Driver()
+    d.call("cuInit", 0)
+    ctx = c_void_p()
+    d.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+    lock = threading.Lock()
+    totals = {"ops": 0, "refused": 0, "max_fake_used": 0}
+    errors: list[str] = []
+    deadline = time.monotonic() + seconds
+
+    def work(n: int) -> None:
+        d.call("cuCtxSetCurrent", ctx)
+        rng = random.Random(seed * 1000 + n)
+        held: list[int] = []
+        ops = refused = peak = 0
+        while time.monotonic() < deadline:
+            if held and rng.random() < 0.45:
+                d.free(held.pop(rng.randrange(len(held))))
+            else:
+                try:
+                    held.append(d.alloc(rng.randint(1, max_bytes)))
+                except CudaError as exc:
+                    if exc.code != OUT_OF_MEMORY:
+                        errors.append(str(exc))
+                    refused += 1
+            ops += 1
+            peak = max(peak, d.fake_used(0))
+        for p in held:
+            d.free(p)
+        with lock:
+            totals["ops"] += ops
+            totals["refused"] += refused
+            totals["max_fake_used"] = max(totals["max_fake_used"], peak)
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    emit(pid=os.getpid(), errors=errors, final_fake_used=d.fake_used(0), **totals)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
