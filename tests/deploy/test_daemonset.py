@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.conftest import KUSTOMIZATIONS, REPO, config_text, one, rendered
+from tests.deploy.conftest import KUSTOMIZATIONS, REPO, assert_flags_known, config_text, one, rendered
 
 try:
     from mpsd import config as mpsd_config
@@ -138,6 +138,10 @@ def test_runs_mpsd_with_the_mounted_config(node_kustomization: str) -> None:
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     configmap = one(rendered(node_kustomization), "ConfigMap", volume["configMap"]["name"])
     assert os.path.basename(config_path) in configmap["data"]
+
+
+def test_container_args_are_flags_of_mpsd_run() -> None:
+    assert_flags_known(main_container(pod_spec("deploy"))["args"])
 
 
 def test_grace_period_exceeds_the_shutdown_timeout(node_kustomization: str) -> None:

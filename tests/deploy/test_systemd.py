@@ -7,14 +7,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from mpsd.units import parse_duration
-from tests.deploy.conftest import REPO, one, rendered
+from tests.deploy.conftest import REPO, assert_flags_known, one, rendered
 
 UNIT = REPO / "deploy/systemd/mpsd.service"
 CONFIG = REPO / "deploy/systemd/config.yaml"
@@ -69,13 +68,7 @@ def test_exec_start_runs_mpsd_with_the_config() -> None:
 
 
 def test_exec_start_flags_exist_in_mpsd_run_help() -> None:
-    if importlib.util.find_spec("mpsd.cli") is None:
-        pytest.skip("mpsd.cli not present yet: `mpsd run --help` cannot be asked")
-    proc = subprocess.run([sys.executable, "-c", "import sys; from mpsd.cli import main; sys.exit(main())",
-                           "run", "--help"], capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    for flag in [a.split("=")[0] for a in exec_start() if a.startswith("--")]:
-        assert re.search(rf"(^|[\s,]){re.escape(flag)}\b", proc.stdout), f"{flag} not in `mpsd run --help`"
+    assert_flags_known(exec_start()[1:])
 
 
 def test_stop_timeout_exceeds_the_shutdown_timeout() -> None:
