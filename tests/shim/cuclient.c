@@ -11,7 +11,11 @@
  * Commands (each prints "<cmd> rc=<CUresult>" plus values):
  *   init | ctx D | noctx | alloc N | pitch W H | managed N | async N | pool N | create D N
  *   free (frees the newest live allocation with its matching free) | info | total D
- *   used D | calls NAME | where BASE | getfn BASE
+ *   used D | calls NAME | where BASE
+ *   usage D      (the region through the shim's exported mpsshim_usage: used and cap of D)
+ *   pause        (prints "pause rc=0", then waits for a line on stdin)
+ *   nvmem IDX | nvmem2 IDX   (nvmlDeviceGetMemoryInfo / _v2 of the NVML device IDX, through
+ *                             linked symbols in link mode, dlopen + dlsym otherwise)
  * No cuda.h: the few types are declared here. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -19,6 +23,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "region.h" /* ms_snapshot, for the usage command (csrc/ is on the include path) */
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -43,10 +49,32 @@ static gpa2_fn gpa2;
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemRelease) X(cuMemGetInfo_v2) X(cuMemGetInfo)             \
     X(cuDeviceTotalMem_v2) X(cuDeviceTotalMem) X(cuDeviceGetDefaultMemPool) X(cuLaunchKernel)                \
     X(cuLaunchKernel_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuCtxGetDevice)
+#define NVML_NAMES(X) X(nvmlInit_v2) X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)
 NAMES(DECL)
+NVML_NAMES(DECL)
 #define ENTRY(name) {#name, (void *)name},
 static const struct { const char *name; void *fn; } linked[] = {NAMES(ENTRY)};
+static const struct { const char *name; void *fn; } linked_nvml[] = {NVML_NAMES(ENTRY)};
 #endif
+
+/* An NVML function: linked in link mode, else dlsym on a libnvidia-ml.so.1 handle. */
+static void *nvml(const char *name)
+{
+#ifdef LINKED
+    for (size_t i = 0; i < sizeof linked_nvml / sizeof linked_nvml[0]; i++)
+        if (strcmp(linked_nvml[i].name, name) == 0)
+            return linked_nvml[i].fn;
+    return NULL;
+#else
+    static void *h;
+    if (h == NULL)
+        h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    return h ? dlsym(h, name) : NULL;
+#endif
+}
+
+typedef struct { unsigned long long total, free, used; } nvml_mem;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvml_mem2;
 
 /* The exported variant a base name resolves to at (version, flags): same rule as the driver. */
 static const struct { const char *base; int ver; int ptsz; const char *name; } variants[] = {
@@ -107,6 +135,16 @@ static void *get(const char *base)
 #endif
 }
 
+/* Set-up functions (contexts, pools) are resolved at the newest ABI whatever is under test. */
+static void *get_setup(const char *base)
+{
+    int v = version, f = flags;
+    version = 12000, flags = 0;
+    void *p = get(base);
+    version = v, flags = f;
+    return p;
+}
+
 static int is_v1(const char *base)
 {
     const char *name = variant_of(base);
@@ -134,10 +172,7 @@ static void *probe(const char *name)
     return p;
 }
 
-#define NOSYM(cmd)                                                                                             \
-    do {                                                                                                       \
-        printf("%s rc=nosym\n", cmd);                                                                          \
-    } while (0)
+static void NOSYM(const char *cmd) { printf("%s rc=nosym\n", cmd); }
 
 int main(int argc, char **argv)
 {
@@ -180,15 +215,15 @@ int main(int argc, char **argv)
             printf("init rc=%d\n", f ? f(0) : -1);
         } else if (strcmp(cmd, "ctx") == 0) {
             int dev = atoi(argv[++i]);
-            CUresult (*retain)(CUcontext *, int) = (CUresult(*)(CUcontext *, int))get("cuDevicePrimaryCtxRetain");
-            CUresult (*set)(CUcontext) = (CUresult(*)(CUcontext))get("cuCtxSetCurrent");
+            CUresult (*retain)(CUcontext *, int) = (CUresult(*)(CUcontext *, int))get_setup("cuDevicePrimaryCtxRetain");
+            CUresult (*set)(CUcontext) = (CUresult(*)(CUcontext))get_setup("cuCtxSetCurrent");
             CUcontext c = NULL;
             CUresult rc = retain(&c, dev);
             if (rc == 0)
                 rc = set(c);
             printf("ctx rc=%d\n", rc);
         } else if (strcmp(cmd, "noctx") == 0) {
-            CUresult (*set)(CUcontext) = (CUresult(*)(CUcontext))get("cuCtxSetCurrent");
+            CUresult (*set)(CUcontext) = (CUresult(*)(CUcontext))get_setup("cuCtxSetCurrent");
             printf("noctx rc=%d\n", set(NULL));
         } else if (strcmp(cmd, "alloc") == 0) {
             unsigned long long n = strtoull(argv[++i], NULL, 0);
@@ -229,8 +264,8 @@ int main(int argc, char **argv)
             CUdeviceptr p = 0;
             CUresult rc;
             if (pool_alloc) {
-                CUresult (*getdev)(int *) = (CUresult(*)(int *))get("cuCtxGetDevice");
-                CUresult (*getpool)(CUmemoryPool *, int) = (CUresult(*)(CUmemoryPool *, int))get("cuDeviceGetDefaultMemPool");
+                CUresult (*getdev)(int *) = (CUresult(*)(int *))get_setup("cuCtxGetDevice");
+                CUresult (*getpool)(CUmemoryPool *, int) = (CUresult(*)(CUmemoryPool *, int))get_setup("cuDeviceGetDefaultMemPool");
                 int dev = 0;
                 CUmemoryPool mp = NULL;
                 rc = getdev(&dev);
@@ -262,12 +297,11 @@ int main(int argc, char **argv)
             CUresult rc = -1;
             unsigned long long key = live[nlive].key;
             if (live[nlive].kind == K_MEM) {
-                const char *saved = NULL;
                 int ver = version;
-                if (version < 3020) version = 3020; /* a 64-bit pointer is freed with the 64-bit ABI */
+                if (version < 3020)
+                    version = 3020; /* a 64-bit pointer is freed with the 64-bit ABI */
                 void *f = get("cuMemFree");
                 version = ver;
-                (void)saved;
                 rc = f ? ((CUresult(*)(CUdeviceptr))f)(key) : -1;
             } else if (live[nlive].kind == K_MEM1) {
                 void *f = get("cuMemFree");
@@ -331,6 +365,39 @@ int main(int argc, char **argv)
             const char *file = info.dli_fname ? strrchr(info.dli_fname, '/') : NULL;
             printf("where rc=0 base=%s file=%s sym=%s exact=%d\n", base, file ? file + 1 : info.dli_fname,
                    info.dli_sname ? info.dli_sname : "?", info.dli_saddr == p);
+        } else if (strcmp(cmd, "usage") == 0) {
+            int dev = atoi(argv[++i]);
+            static ms_snapshot snap;
+            char err[256] = "";
+            int (*usage)(const char *, ms_snapshot *, char *, size_t) =
+                (int (*)(const char *, ms_snapshot *, char *, size_t))dlsym(RTLD_DEFAULT, "mpsshim_usage");
+            int rc = usage ? usage(NULL, &snap, err, sizeof err) : -1;
+            printf("usage rc=%d used=%llu cap=%llu\n", rc, rc == 0 ? (unsigned long long)snap.used[dev] : 0ULL,
+                   rc == 0 ? (unsigned long long)snap.cap[dev] : 0ULL);
+        } else if (strcmp(cmd, "pause") == 0) {
+            char line[64];
+            printf("pause rc=0\n");
+            if (fgets(line, sizeof line, stdin) == NULL)
+                return 5;
+        } else if (strcmp(cmd, "nvmem") == 0 || strcmp(cmd, "nvmem2") == 0) {
+            unsigned idx = (unsigned)atoi(argv[++i]);
+            int (*init)(void) = (int (*)(void))nvml("nvmlInit_v2");
+            int (*byidx)(unsigned, void **) = (int (*)(unsigned, void **))nvml("nvmlDeviceGetHandleByIndex_v2");
+            void *dev = NULL;
+            int rc = init && byidx ? init() : -1;
+            if (rc == 0)
+                rc = byidx(idx, &dev);
+            unsigned long long t = 0, f = 0, u = 0;
+            if (rc == 0 && strcmp(cmd, "nvmem") == 0) {
+                nvml_mem m = {0, 0, 0};
+                rc = ((int (*)(void *, nvml_mem *))nvml("nvmlDeviceGetMemoryInfo"))(dev, &m);
+                t = m.total, f = m.free, u = m.used;
+            } else if (rc == 0) {
+                nvml_mem2 m = {(unsigned)sizeof(nvml_mem2) | (2u << 24), 0, 0, 0, 0};
+                rc = ((int (*)(void *, nvml_mem2 *))nvml("nvmlDeviceGetMemoryInfo_v2"))(dev, &m);
+                t = m.total, f = m.free, u = m.used;
+            }
+            printf("%s rc=%d total=%llu free=%llu used=%llu\n", cmd, rc, t, f, u);
         } else {
             fprintf(stderr, "cuclient: unknown command %s\n", cmd);
             return 2;
