@@ -53,6 +53,7 @@ class Status:
     restarts: int = 0  # daemons started after the first
     failures_in_row: int = 0
     health_latency: float | None = None  # seconds of the last health round-trip
+    health_checks: int = 0  # periodic checks passed since mpsd started
     servers: tuple[int, ...] = ()
     server_states: dict[int, str] = field(default_factory=dict)
     last_error: str = ""
@@ -340,7 +341,8 @@ class Supervisor:
         if faulted:
             log.error("%s gpus=%s", error, sorted(gpus))
         self.board.update(faulted_gpus=gpus, last_error=error)
-        self._publish(state="running", failures_in_row=0, health_latency=latency, servers=tuple(servers),
+        self._publish(state="running", failures_in_row=0, health_latency=latency, health_checks=self.status().health_checks + 1,
+                      servers=tuple(servers),
                       server_states=states, last_error=error)
         self._next_at = time.monotonic() + self.config.health_interval
 
