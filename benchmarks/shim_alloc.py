@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE")}
         bare = {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
         shimmed = {**bare, "LD_PRELOAD": str(shim), "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8G", "MPSSHIM_REGION": str(work / "region")}
-        print(f"alloc+free pairs of {BYTES} bytes, {args.pairs} per thread, median of {args.rounds} runs; cpu: {os.cpu_count()} cores")
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"alloc+free pairs of {BYTES} bytes, {args.pairs} per thread, median of {args.rounds} runs; {os.cpu_count()} cores, load {load}")
         print(f"{'threads':>7} {'bare ns':>9} {'shim ns':>9} {'ratio':>6} {'added ns':>9} {'bare cpu':>9} {'shim cpu':>9} {'added cpu':>9}")
         for threads in (int(t) for t in args.threads.split(",")):
             runs: dict[str, list[dict[str, float]]] = {"bare": [], "shim": []}
