@@ -103,3 +103,16 @@ def test_json_patch(ops: list, expected: dict) -> None:
 def test_json_patch_refuses_replacing_a_missing_member() -> None:
     with pytest.raises(KustomizeError, match="no such member"):
         json_patch({"a": {}}, [{"op": "replace", "path": "/a/zz", "value": 1}])
+
+
+def test_every_mpsd_image_carries_the_project_version() -> None:
+    import tomllib
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    images = set()
+    for name in ALL_KUSTOMIZATIONS:
+        for obj in rendered(name):
+            pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+            for c in pod.get("containers", []) + pod.get("initContainers", []):
+                if c["image"].split(":")[0].endswith("mpsd"):
+                    images.add(c["image"])
+    assert images == {f"mpsd:{version}"}
