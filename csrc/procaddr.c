@@ -67,7 +67,9 @@ MS_EXPORT_AS(cuGetProcAddress_v2)
 /* RTLD_NEXT relative to the original caller: forwarding RTLD_NEXT from here would mean "next
  * after the shim", which for a library loaded after the shim can be that library's own
  * definition (its wrapper would then call itself forever). Search the objects after the
- * caller's in load order and take the first one that defines the name itself. */
+ * caller's in load order and take the first one that defines the name itself. A link_map of
+ * an object loaded at start-up is not a usable dlsym handle, so each is reopened with
+ * RTLD_NOLOAD (which only takes and drops a reference). */
 static void *next_after(ms_dlsym_fn real, const void *caller, const char *name)
 {
     Dl_info info;
@@ -75,7 +77,13 @@ static void *next_after(ms_dlsym_fn real, const void *caller, const char *name)
     if (dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) == 0 || lm == NULL)
         return real(RTLD_NEXT, name);
     for (struct link_map *m = lm->l_next; m != NULL; m = m->l_next) {
-        void *p = real(m, name); /* glibc: a link_map is a valid handle */
+        if (m->l_name == NULL || m->l_name[0] == '\0')
+            continue;
+        void *h = dlopen(m->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (h == NULL)
+            continue;
+        void *p = real(h, name);
+        dlclose(h);
         if (p == NULL)
             continue;
         struct link_map *owner = NULL;
