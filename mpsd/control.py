@@ -10,14 +10,19 @@ timeout; the parsing is done by pure functions below, tested by tables.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .errors import ControlError, ControlTimeout, DaemonNotRunning
-from .units import UNITS
+from .errors import ControlError, ControlTimeout, DaemonNotRunning, MpsdError
+from .units import UNITS, format_size_mps_control
+
+if TYPE_CHECKING:
+    from .config import Config
 
 log = logging.getLogger(__name__)
 
@@ -264,3 +269,33 @@ class Control:
     def quit(self, timeout_s: int | None = None, wait: float | None = None) -> None:
         """Synchronous: returns once the daemon exits. ``timeout_s`` forces servers down after it."""
         self.call("quit" + ("" if timeout_s is None else f" -t {timeout_s}"), timeout=wait)
+
+
+# ---------------------------------------------------------------- defaults, set and verified
+
+
+class ConfigureError(MpsdError):
+    """A default did not read back as set."""
+
+
+def apply_defaults(control: Control, config: "Config") -> None:
+    """Set the daemon-wide defaults and read each back; ConfigureError on a mismatch."""
+    wanted = config.active_thread_percentage
+    control.set_default_active_thread_percentage(wanted)
+    got = control.get_default_active_thread_percentage()
+    if not math.isclose(got, wanted, abs_tol=0.05):
+        raise ConfigureError(f"activeThreadPercentage: set {wanted:g}, daemon reads back {got:g}")
+    for device, nbytes in config.pinned_mem_limit.items():
+        value = format_size_mps_control(nbytes)
+        control.set_default_device_pinned_mem_limit(device, value)
+        if isinstance(device, str):
+            log.warning("pinned limit by UUID cannot be read back on this daemon device=%s value=%s", device, value)
+            continue
+        got_bytes = control.get_default_device_pinned_mem_limit(device)
+        if got_bytes != mem_limit_as_displayed(nbytes):
+            raise ConfigureError(f"pinnedMemLimit: device {device} set {value}, daemon reads back {got_bytes!r} bytes")
+    if config.client_priority is not None:
+        control.set_default_client_priority(config.client_priority)
+        got_priority = control.get_default_client_priority()
+        if got_priority != config.client_priority:
+            raise ConfigureError(f"clientPriority: set {config.client_priority}, daemon reads back {got_priority}")

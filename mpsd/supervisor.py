@@ -26,10 +26,10 @@ from typing import Callable
 from . import dirs
 from .computemode import ComputeMode
 from .config import BY_KEY, Config, changed_keys
-from .control import CommandRejected, Control, UnknownCommand, mem_limit_as_displayed
-from .errors import ConfigError, ControlError, ControlTimeout, MpsdError, SetupError
+from .control import CommandRejected, ConfigureError, Control, UnknownCommand, apply_defaults
+from .errors import ConfigError, ControlError, ControlTimeout, SetupError
 from .health import HealthBoard
-from .units import format_limits, format_size_mps_control
+from .units import format_limits
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,6 @@ LIVE_KEYS = frozenset({
     "restartBackoffInitial", "restartBackoffMax", "shutdownTimeout", "logLevel",
 })
 READY_POLL = 0.02
-
-
-class ConfigureError(MpsdError):
-    """A default did not read back as set."""
 
 
 @dataclass(frozen=True)
@@ -63,29 +59,6 @@ class Status:
 def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float:
     """initial, 2*initial, 4*initial ... capped at maximum (failures_in_row >= 1)."""
     return min(maximum, initial * 2 ** max(failures_in_row - 1, 0))
-
-
-def apply_defaults(control: Control, config: Config) -> None:
-    """Set the daemon-wide defaults and read each back; ConfigureError on a mismatch."""
-    wanted = config.active_thread_percentage
-    control.set_default_active_thread_percentage(wanted)
-    got = control.get_default_active_thread_percentage()
-    if not math.isclose(got, wanted, abs_tol=0.05):
-        raise ConfigureError(f"activeThreadPercentage: set {wanted:g}, daemon reads back {got:g}")
-    for device, nbytes in config.pinned_mem_limit.items():
-        value = format_size_mps_control(nbytes)
-        control.set_default_device_pinned_mem_limit(device, value)
-        if isinstance(device, str):
-            log.warning("pinned limit by UUID cannot be read back on this daemon device=%s value=%s", device, value)
-            continue
-        got_bytes = control.get_default_device_pinned_mem_limit(device)
-        if got_bytes != mem_limit_as_displayed(nbytes):
-            raise ConfigureError(f"pinnedMemLimit: device {device} set {value}, daemon reads back {got_bytes!r} bytes")
-    if config.client_priority is not None:
-        control.set_default_client_priority(config.client_priority)
-        got_priority = control.get_default_client_priority()
-        if got_priority != config.client_priority:
-            raise ConfigureError(f"clientPriority: set {config.client_priority}, daemon reads back {got_priority}")
 
 
 class DaemonProcess:

@@ -119,3 +119,25 @@ def test_missing_binary_is_control_error(tmp_path):
 
     with pytest.raises(ControlError, match="cannot run control binary"):
         Control(str(tmp_path / "nope"), str(tmp_path)).get_server_list()
+
+
+class SendsOutOfRange(Control):
+    """Sends 250 whatever percentage it is asked for: the daemon refuses it with exit 0."""
+
+    def set_default_active_thread_percentage(self, percent: float) -> float:
+        return super().set_default_active_thread_percentage(250)
+
+
+def test_apply_defaults_verifies_by_read_back(daemon):
+    from mpsd import config as cfg
+    from mpsd.control import ConfigureError, apply_defaults
+
+    control, _ = daemon
+    config = cfg.load(None, {}, {"active-thread-percentage": "50", "pinned-mem-limit": "0=1536M,1=100M", "client-priority": "1"})
+    apply_defaults(control, config)
+    assert control.get_default_active_thread_percentage() == 50.0
+    assert control.get_default_device_pinned_mem_limit(0) == 1 * G
+    assert control.get_default_device_pinned_mem_limit(1) == 100 * M
+    rejecting = SendsOutOfRange(control.binary, control.pipe_dir, timeout=10)
+    with pytest.raises(ConfigureError, match="activeThreadPercentage: set 25, daemon reads back 50"):
+        apply_defaults(rejecting, cfg.load(None, {}, {"active-thread-percentage": "25"}))

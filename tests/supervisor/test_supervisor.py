@@ -190,3 +190,21 @@ def test_setup_error_on_first_start_is_raised(make_config, run_supervisor, tmp_p
     r = run_supervisor(make_config(**{"control-binary": str(tmp_path / "missing")}))
     r.thread.join(30)
     assert len(r.result) == 1 and "cannot start control binary" in str(r.result[0])
+
+
+def test_defaults_that_do_not_read_back_fail_loudly(make_config, run_supervisor, mps_control, tmp_path):
+    wrapper = tmp_path / "rejecting-control"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'[ "$#" -gt 0 ] && exec {mps_control} "$@"\n'
+        "read -r line\n"
+        'case "$line" in set_default_active_thread_percentage*) line="set_default_active_thread_percentage 250";; esac\n'
+        f"printf '%s\\n' \"$line\" | exec {mps_control}\n"
+    )
+    wrapper.chmod(0o755)
+    config = make_config(**{"control-binary": str(wrapper), "active-thread-percentage": "50"})
+    r = run_supervisor(config)
+    state = r.wait_for(lambda s: "reads back" in s.last_error, what="mismatch reported")
+    assert "activeThreadPercentage: set 50, daemon reads back 100" in state.last_error
+    assert not state.configured
+    wait_until(lambda: r.sup.status().failures_in_row >= 2, what="retried with backoff")
