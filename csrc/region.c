@@ -200,6 +200,15 @@ static int ms_reclaim_locked(ms_region *r) {
     return n;
 }
 
+#ifdef MS_REGION_PARANOID
+/* Test builds only: called between the two stores of a charge or uncharge, so a test can
+ * widen the window a SIGKILL must hit to leave the totals and the slots disagreeing. */
+void (*ms_region_test_midop)(void);
+#define MS_MIDOP() (ms_region_test_midop ? ms_region_test_midop() : (void)0)
+#else
+#define MS_MIDOP() ((void)0)
+#endif
+
 static int ms_lock(ms_region *r) {
     int rc = pthread_mutex_lock(&r->hdr->mutex.m);
     if (rc == EOWNERDEAD) {
@@ -268,6 +277,7 @@ int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64
     }
     uint64_t *mine = &h->slot[r->slot].used[dev];
     ms_st(mine, ms_ld(mine) + bytes);
+    MS_MIDOP();
     ms_st(&h->used[dev], used + bytes);
     ms_unlock(r);
     if (in_use) *in_use = used + bytes;
@@ -282,6 +292,7 @@ uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes) {
     uint64_t *mine = &h->slot[r->slot].used[dev];
     uint64_t have = ms_ld(mine), take = bytes < have ? bytes : have, total = ms_ld(&h->used[dev]);
     ms_st(mine, have - take);
+    MS_MIDOP();
     ms_st(&h->used[dev], total - (take < total ? take : total));
     if (take < bytes) __atomic_add_fetch(&h->clamped, 1, __ATOMIC_RELAXED);
     ms_unlock(r);

@@ -110,13 +110,14 @@ static void cloexec(const char *path) {
 
 static int repl(void) {
     char line[4096], a[4096];
+    int opens = 0;
     int dev;
     unsigned long long x, y;
     while (fgets(line, sizeof line, stdin)) {
         line[strcspn(line, "\n")] = '\0';
         if (sscanf(line, "open %4095s", a) == 1) {
             char err[512];
-            if (ms_region_open(a, &reg, err, sizeof err) == 0) printf("ok\n");
+            if (ms_region_open(a, &reg, err, sizeof err) == 0) opens++, printf("ok\n");
             else printf("err %s\n", err);
         } else if (sscanf(line, "charge %d %llu %llu", &dev, &x, &y) == 3) {
             uint64_t in_use = 12345;
@@ -131,7 +132,7 @@ static int repl(void) {
             printf("%d\n", ms_region_reclaim(reg));
         } else if (strcmp(line, "close") == 0) {
             ms_region_close(reg);
-            reg = NULL;
+            if (--opens == 0) reg = NULL; /* opening twice returns the same handle */
             printf("ok\n");
         } else if (sscanf(line, "snapshot %4095s", a) == 1) {
             print_snapshot(a);
@@ -226,7 +227,19 @@ static void *spin_thread(void *arg) {
     return NULL;
 }
 
+#ifdef MS_REGION_PARANOID
+extern void (*ms_region_test_midop)(void);
+
+static void midop_pause(void) { /* tens of microseconds between the slot and total updates */
+    for (volatile int i = 0; i < 50000; i++) {
+    }
+}
+#endif
+
 static int spin(const char *path, uint64_t cap, uint64_t bytes, int nthreads) {
+#ifdef MS_REGION_PARANOID
+    ms_region_test_midop = midop_pause;
+#endif
     if (open_or_die(path) != 0) return 2;
     spin_cap = cap;
     if (ms_region_charge(reg, 0, cap, bytes, NULL) != MS_OK) {
