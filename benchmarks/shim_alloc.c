@@ -5,11 +5,12 @@
  *
  *   shim_alloc THREADS PAIRS_PER_THREAD BYTES
  * prints one line: "threads=T pairs=N wall_ns_per_pair=X cpu_ns_per_pair=Y refused=R"
- * (wall: elapsed time / all pairs of all threads; cpu: user+system time / all pairs). */
+ * (wall: from the first thread's start to the last thread's end, / all pairs of all threads;
+ * cpu: the threads' own CPU time (CLOCK_THREAD_CPUTIME_ID around their loops), / all pairs).
+ * Each thread reads its clocks itself, so a descheduled main thread cannot skew them. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/resource.h>
 #include <time.h>
 
 typedef int CUresult;
@@ -41,16 +42,29 @@ static long run_pairs(long n) {
     return refused;
 }
 
+struct result {
+    long refused;
+    double wall_start, wall_end, cpu;
+};
+
+static double now(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
 static void *worker(void *arg) {
-    long *refused = arg;
+    struct result *res = arg;
     if (cuCtxSetCurrent(ctx) != 0) abort();
     run_pairs(WARMUP);
     pthread_barrier_wait(&start);
-    *refused = run_pairs(pairs);
+    double c0 = now(CLOCK_THREAD_CPUTIME_ID);
+    res->wall_start = now(CLOCK_MONOTONIC);
+    res->refused = run_pairs(pairs);
+    res->wall_end = now(CLOCK_MONOTONIC);
+    res->cpu = now(CLOCK_THREAD_CPUTIME_ID) - c0;
     return NULL;
 }
-
-static double seconds(const struct timeval *tv) { return (double)tv->tv_sec + (double)tv->tv_usec / 1e6; }
 
 int main(int argc, char **argv) {
     if (argc != 4) {
@@ -69,22 +83,19 @@ int main(int argc, char **argv) {
         return 1;
     }
     pthread_t tid[256];
-    long refused[256] = {0};
-    pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
-    for (int i = 0; i < threads; i++) pthread_create(&tid[i], NULL, worker, &refused[i]);
-    struct rusage r0, r1;
-    struct timespec t0, t1;
-    pthread_barrier_wait(&start);
-    getrusage(RUSAGE_SELF, &r0);
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    static struct result res[256];
+    pthread_barrier_init(&start, NULL, (unsigned)threads);
+    for (int i = 0; i < threads; i++) pthread_create(&tid[i], NULL, worker, &res[i]);
     for (int i = 0; i < threads; i++) pthread_join(tid[i], NULL);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    getrusage(RUSAGE_SELF, &r1);
-    double total = (double)pairs * threads;
-    double wall = (double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec);
-    double cpu = (seconds(&r1.ru_utime) - seconds(&r0.ru_utime) + seconds(&r1.ru_stime) - seconds(&r0.ru_stime)) * 1e9;
+    double total = (double)pairs * threads, first = res[0].wall_start, last = res[0].wall_end, cpu = 0;
     long refused_all = 0;
-    for (int i = 0; i < threads; i++) refused_all += refused[i];
+    for (int i = 0; i < threads; i++) {
+        if (res[i].wall_start < first) first = res[i].wall_start;
+        if (res[i].wall_end > last) last = res[i].wall_end;
+        cpu += res[i].cpu;
+        refused_all += res[i].refused;
+    }
+    double wall = last - first;
     printf("threads=%d pairs=%.0f wall_ns_per_pair=%.1f cpu_ns_per_pair=%.1f refused=%ld\n", threads, total,
            wall / total, cpu / total, refused_all);
     return 0;
