@@ -85,6 +85,47 @@ class Driver:
     def free(self, ptr: int) -> None:
         self.call("cuMemFree_v2", c_ulonglong(ptr))
 
+    def alloc_pitch(self, width: int, height: int, elem: int = 4) -> tuple[int, int]:
+        ptr, pitch = c_ulonglong(), c_size_t()
+        self.call("cuMemAllocPitch_v2", byref(ptr), byref(pitch), c_size_t(width), c_size_t(height), c_uint(elem))
+        return ptr.value, pitch.value
+
+    def alloc_managed(self, size: int) -> int:
+        ptr = c_ulonglong()
+        self.call("cuMemAllocManaged", byref(ptr), c_size_t(size), c_uint(1))
+        return ptr.value
+
+    def stream_create(self) -> int:
+        stream = c_void_p()
+        self.call("cuStreamCreate", byref(stream), c_uint(0))
+        return stream.value or 0
+
+    def alloc_async(self, size: int, stream: int = 0, ptsz: bool = False) -> int:
+        ptr = c_ulonglong()
+        self.call("cuMemAllocAsync_ptsz" if ptsz else "cuMemAllocAsync", byref(ptr), c_size_t(size), c_void_p(stream))
+        return ptr.value
+
+    def free_async(self, ptr: int, stream: int = 0, ptsz: bool = False) -> None:
+        self.call("cuMemFreeAsync_ptsz" if ptsz else "cuMemFreeAsync", c_ulonglong(ptr), c_void_p(stream))
+
+    def pool_create(self, device: int) -> int:
+        props = (ctypes.c_ubyte * 88)()  # CUmemPoolProps: location.type at 8, location.id at 12
+        ctypes.memmove(ctypes.addressof(props) + 8, (c_int * 2)(1, device), 8)
+        pool = c_void_p()
+        self.call("cuMemPoolCreate", byref(pool), props)
+        return pool.value or 0
+
+    def default_pool(self, device: int) -> int:
+        pool = c_void_p()
+        self.call("cuDeviceGetDefaultMemPool", byref(pool), device)
+        return pool.value or 0
+
+    def alloc_from_pool(self, size: int, pool: int, stream: int = 0, ptsz: bool = False) -> int:
+        ptr = c_ulonglong()
+        name = "cuMemAllocFromPoolAsync_ptsz" if ptsz else "cuMemAllocFromPoolAsync"
+        self.call(name, byref(ptr), c_size_t(size), c_void_p(pool), c_void_p(stream))
+        return ptr.value
+
     def mem_create(self, size: int, device: int) -> int:
         prop = MemAllocationProp(type=1, location_type=1, location_id=device)
         handle = c_ulonglong()

@@ -240,3 +240,31 @@ def test_build_fakes_builds_every_fake_the_makefile_lists(tmp_path):
     assert (out / "libcuda.so.1").is_file() and (out / "libcuda.so").resolve() == (out / "libcuda.so.1").resolve()
     if (FAKES_DIR / "nvml.mk").exists():
         assert (out / "libnvidia-ml.so.1").is_file()
+
+
+def test_streams_pools_pitch_and_managed_are_booked_on_the_right_device(run_py, fake_env):
+    r = run_py(
+        """
+        d = Driver(); d.init(1)
+        s1 = d.stream_create()                      # a stream of device 1
+        d.set_device(0)
+        a = d.alloc_async(1 << 20, s1)              # stream's device, not the current one
+        b = d.alloc_async(2 << 20, 0, ptsz=True)    # NULL stream: current context (device 0)
+        pool1 = d.pool_create(1)
+        c = d.alloc_from_pool(4 << 20, pool1)       # pool's device
+        e = d.alloc_from_pool(8 << 20, d.default_pool(0), ptsz=True)
+        p, pitch = d.alloc_pitch(1000, 3)
+        m = d.alloc_managed(16 << 20)
+        emit(used=[d.fake_used(0), d.fake_used(1)], pitch=pitch, bad_elem=attempt(d.alloc_pitch, 1000, 3, 3))
+        for x in (a, c):
+            d.free_async(x, s1)
+        d.free_async(b, ptsz=True); d.free(e); d.free(p); d.free(m)
+        emit(used=[d.fake_used(0), d.fake_used(1)])
+        """,
+        fake_env(devices="1G,1G"),
+    )
+    first, after = r.records
+    assert first["pitch"] == 1024
+    assert first["used"] == [2 * M + 8 * M + 1024 * 3 + 16 * M, M + 4 * M]
+    assert first["bad_elem"] == {"error": 1}
+    assert after["used"] == [0, 0]

@@ -176,3 +176,47 @@ def test_corrupted_region_refuses_with_a_clear_line(run_py, shim_env, tmp_path):
     r = run_py("d = Driver(); d.init(); emit(alloc=attempt(d.alloc, 1 << 20), used=d.fake_used(0))", shim_env(limit="0=1G", region=region))
     assert r.one == {"alloc": {"error": 2}, "used": 0}
     assert f'accounting region "{region}" is unusable' in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("alloc", "free"),
+    [
+        ("d.alloc_async(n)", "d.free_async(p)"),
+        ("d.alloc_async(n, ptsz=True)", "d.free_async(p, ptsz=True)"),
+        ("d.alloc_from_pool(n, d.default_pool(0))", "d.free_async(p)"),
+        ("d.alloc_from_pool(n, d.pool_create(0), ptsz=True)", "d.free(p)"),
+        ("d.alloc_managed(n)", "d.free(p)"),
+        ("d.alloc_pitch(n // 1024, 1024)[0]", "d.free(p)"),
+    ],
+)
+def test_every_allocation_kind_is_capped_and_given_back(run_py, shim_env, alloc, free):
+    r = run_py(
+        f"""
+        d = Driver(); d.init()
+        n = 48 << 20
+        p = {alloc}
+        emit(used=d.fake_used(0), free_info=d.mem_info()[0], over=attempt(lambda: {alloc}))
+        {free}
+        emit(used=d.fake_used(0), free_info=d.mem_info()[0])
+        """,
+        shim_env(limit="0=64M"),
+    )
+    held, after = r.records
+    assert held == {"used": 48 * M, "free_info": 16 * M, "over": {"error": 2}}
+    assert after == {"used": 0, "free_info": 64 * M}
+
+
+def test_get_proc_address_per_thread_stream_variant_is_hooked_too(run_py, shim_env):
+    r = run_py(
+        """
+        import ctypes, os
+        d = Driver(); d.init()
+        ptr, status = d.proc_address("cuMemAllocAsync", 12000, 2)
+        f = ctypes.CFUNCTYPE(c_int, ctypes.POINTER(c_ulonglong), ctypes.c_size_t, c_void_p)(ptr)
+        p = c_ulonglong()
+        emit(status=status, lib=os.path.basename(d.library_of(ptr)), ok=f(byref(p), 48 << 20, None),
+             over=f(byref(p), 48 << 20, None), calls=d.fake_calls("cuMemAllocAsync_ptsz"))
+        """,
+        shim_env(limit="0=64M"),
+    )
+    assert r.one == {"status": 0, "lib": "libmpsshim.so", "ok": 0, "over": 2, "calls": 1}
