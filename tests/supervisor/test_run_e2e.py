@@ -4,6 +4,7 @@ kubelet as Unhealthy slices that turn Healthy again after the restart."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -107,6 +108,13 @@ def test_run_with_plugin_metrics_and_recovery(mps_control, short_dir, tmp_path_f
         assert 'mpsd_mps_clients{gpu="0"} 1.0' in text
         assert 'mpsd_device_healthy{gpu="0"} 1.0' in text
         assert "mpsd_daemon_up 1.0" in text
+
+        status = subprocess.run([sys.executable, "-m", "mpsd", "status", "--json", *args], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=60)
+        data = json.loads(status.stdout)
+        assert status.returncode == 0 and data["daemon"] == "up"
+        assert [(g["index"], g["uuid"], g["memory_total"]) for g in data["gpus"]] == [(0, UUID, 40 * GIB)]
+        assert data["nvmlClients"] == [{"gpu": 0, "pid": 4242, "usedMemory": 2 * GIB}]
 
         channel = grpc.insecure_channel("unix://" + str(short_dir / "kubelet" / request.endpoint))
         stream = api_pb2_grpc.DevicePluginStub(channel).ListAndWatch(api_pb2.Empty(), timeout=120)

@@ -208,3 +208,16 @@ def test_defaults_that_do_not_read_back_fail_loudly(make_config, run_supervisor,
     assert "activeThreadPercentage: set 50, daemon reads back 100" in state.last_error
     assert not state.configured
     wait_until(lambda: r.sup.status().failures_in_row >= 2, what="retried with backoff")
+
+
+def test_stop_with_a_hung_daemon_is_bounded(make_config, run_supervisor):
+    config = make_config(**{"shutdown-timeout": "1s", "health-interval": "30s"})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured)
+    pid = r.sup.status().pid
+    os.kill(pid, signal.SIGSTOP)  # quit gets no answer
+    began = time.monotonic()
+    r.stop(timeout=60)
+    assert r.result == [0]
+    assert time.monotonic() - began < 30
+    wait_until(lambda: gone(pid), what="hung daemon killed at shutdown")
