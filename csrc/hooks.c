@@ -68,29 +68,7 @@ int ms_is_hook(const void *p)
     return 0;
 }
 
-/* Length of `name` without a trailing _ptsz/_ptds and then a trailing _v<digits>. */
-static size_t base_len(const char *name)
-{
-    size_t n = strlen(name);
-    if (n > 5 && (strcmp(name + n - 5, "_ptsz") == 0 || strcmp(name + n - 5, "_ptds") == 0))
-        n -= 5;
-    size_t d = n;
-    while (d > 0 && name[d - 1] >= '0' && name[d - 1] <= '9')
-        d--;
-    if (d < n && d >= 2 && name[d - 1] == 'v' && name[d - 2] == '_')
-        n = d - 2;
-    return n;
-}
-
-int ms_is_hooked_base(const char *symbol)
-{
-    size_t len = strlen(symbol);
-    for (int i = 0; i < MS_HOOK_COUNT; i++)
-        if (g_table[i].hook != NULL && g_table[i].lib == MS_LIB_CUDA && base_len(g_table[i].name) == len &&
-            strncmp(g_table[i].name, symbol, len) == 0)
-            return 1;
-    return 0;
-}
+void *ms_hook_of(enum ms_hook_id id) { return g_table[id].hook; }
 
 CUresult ms_no_driver(const char *name)
 {

@@ -102,8 +102,8 @@ void *ms_hook_by_name(const char *name, ms_lib *lib);
 void *ms_hook_by_real(const void *p);
 /* 1 if `p` is one of the shim's hooks. */
 int ms_is_hook(const void *p);
-/* 1 if `symbol` is the base name (no _vN, _ptsz, _ptds) of a hooked driver function. */
-int ms_is_hooked_base(const char *symbol);
+/* The hook of a hooked entry. */
+void *ms_hook_of(enum ms_hook_id id);
 
 /* The result a hook returns when the driver library cannot be found (one error line). */
 CUresult ms_no_driver(const char *name);

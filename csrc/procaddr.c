@@ -3,9 +3,10 @@
  * cuGetProcAddress(_v2): the real driver is asked first, with the caller's name, ABI version
  * and flags, so it alone decides which variant (v1/_v2/_ptsz/...) the caller gets. If the
  * answer is the real address of a function the shim hooks, the caller gets that exact
- * variant's hook (same signature); any other answer (unhooked functions, NULL, errors,
- * statuses) is handed back untouched. The runtime's query for cuGetProcAddress itself thus
- * returns our wrapper, and every later query stays hooked.
+ * variant's hook (same signature); a driver that answers with internal addresses is handled
+ * by prediction plus a check (swap_for_hook); any other answer (unhooked functions, NULL,
+ * errors, statuses) is handed back untouched. The runtime's query for cuGetProcAddress
+ * itself thus returns our wrapper, and every later query stays hooked.
  *
  * dlsym: glibc's dlsym is reached with dlvsym. A lookup is redirected only when the name is
  * one the shim exports, the handle is libcuda's / libnvidia-ml's own handle, RTLD_DEFAULT or
@@ -19,23 +20,108 @@
 #include "log.h"
 #include "state.h"
 
-static void *swap_for_hook(const char *symbol, int cudaVersion, cuuint64_t flags, void *p)
+/* Every variant the driver has of the functions the shim hooks: (base name, ABI version it
+ * appeared in, per-thread-stream flavour, hook id or -1 when that variant is not hooked). */
+typedef struct variant {
+    const char *base;
+    int version;
+    int ptsz;
+    int id;
+} variant;
+
+static const variant VARIANTS[] = {
+    {"cuInit", 2000, 0, MS_ID_cuInit},
+    {"cuGetProcAddress", 11030, 0, MS_ID_cuGetProcAddress},
+    {"cuGetProcAddress", 12000, 0, MS_ID_cuGetProcAddress_v2},
+    {"cuMemAlloc", 2000, 0, MS_ID_cuMemAlloc},
+    {"cuMemAlloc", 3020, 0, MS_ID_cuMemAlloc_v2},
+    {"cuMemFree", 2000, 0, MS_ID_cuMemFree},
+    {"cuMemFree", 3020, 0, MS_ID_cuMemFree_v2},
+    {"cuMemGetInfo", 2000, 0, MS_ID_cuMemGetInfo},
+    {"cuMemGetInfo", 3020, 0, MS_ID_cuMemGetInfo_v2},
+    {"cuDeviceTotalMem", 2000, 0, MS_ID_cuDeviceTotalMem},
+    {"cuDeviceTotalMem", 3020, 0, MS_ID_cuDeviceTotalMem_v2},
+    {"cuMemAllocPitch", 2000, 0, -1}, /* 32-bit ABI, not hooked: passes through */
+    {"cuMemAllocPitch", 3020, 0, MS_ID_cuMemAllocPitch_v2},
+    {"cuMemAllocManaged", 6000, 0, MS_ID_cuMemAllocManaged},
+    {"cuMemAllocAsync", 11020, 0, MS_ID_cuMemAllocAsync},
+    {"cuMemAllocAsync", 11020, 1, MS_ID_cuMemAllocAsync_ptsz},
+    {"cuMemAllocFromPoolAsync", 11020, 0, MS_ID_cuMemAllocFromPoolAsync},
+    {"cuMemAllocFromPoolAsync", 11020, 1, MS_ID_cuMemAllocFromPoolAsync_ptsz},
+    {"cuMemFreeAsync", 11020, 0, MS_ID_cuMemFreeAsync},
+    {"cuMemFreeAsync", 11020, 1, MS_ID_cuMemFreeAsync_ptsz},
+    {"cuMemCreate", 10020, 0, MS_ID_cuMemCreate},
+    {"cuMemRelease", 10020, 0, MS_ID_cuMemRelease},
+};
+
+/* The variant the driver's rule picks: the newest that appeared at or before `version`, of
+ * the per-thread-stream flavour if asked for and one exists. NULL if the base is unknown or
+ * only newer variants exist; *known says whether the base is one of ours at all. */
+static const variant *predict(const char *symbol, int version, cuuint64_t flags, int *known)
 {
-    if (p == NULL || ms_disabled())
+    const variant *legacy = NULL, *ptsz = NULL;
+    *known = 0;
+    for (size_t i = 0; i < sizeof VARIANTS / sizeof VARIANTS[0]; i++) {
+        const variant *v = &VARIANTS[i];
+        if (strcmp(v->base, symbol) != 0)
+            continue;
+        *known = 1;
+        if (v->version > version)
+            continue;
+        const variant **slot = v->ptsz ? &ptsz : &legacy;
+        if (*slot == NULL || v->version > (*slot)->version)
+            *slot = v;
+    }
+    return (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && ptsz != NULL ? ptsz : legacy;
+}
+
+/* Ask the real driver again, at another ABI version (same entry point as the caller used). */
+typedef void *(*requery_fn)(const char *symbol, int version, cuuint64_t flags);
+
+static void *requery_v1(const char *symbol, int version, cuuint64_t flags)
+{
+    __typeof(ms_hk_cuGetProcAddress) *real = (__typeof(real))ms_real_fn(MS_ID_cuGetProcAddress);
+    void *p = NULL;
+    return real != NULL && real(symbol, &p, version, flags) == CUDA_SUCCESS ? p : NULL;
+}
+
+static void *requery_v2(const char *symbol, int version, cuuint64_t flags)
+{
+    __typeof(ms_hk_cuGetProcAddress_v2) *real = (__typeof(real))ms_real_fn(MS_ID_cuGetProcAddress_v2);
+    void *p = NULL;
+    CUdriverProcAddressQueryResult status = 0;
+    return real != NULL && real(symbol, &p, version, flags, &status) == CUDA_SUCCESS ? p : NULL;
+}
+
+/* What the caller gets for the driver's answer `p`.
+ *  1. p is the real exported function of a hooked variant: that variant's hook.
+ *  2. Otherwise, for a base name we hook, the driver may answer with an internal address.
+ *     The variant is then predicted from the table, and trusted only if the driver gives the
+ *     very same address when asked at the version that variant appeared in (so no newer
+ *     variant unknown to the table was chosen): that variant's hook.
+ *  3. Anything else is handed back untouched; for a hooked base that means uncapped, which
+ *     is said once on stderr. */
+static void *swap_for_hook(const char *symbol, int version, cuuint64_t flags, void *p, requery_fn requery)
+{
+    if (p == NULL || symbol == NULL || ms_disabled())
         return p;
     void *hook = ms_hook_by_real(p);
-    if (hook != NULL)
-        return hook;
-    /* A variant we do not hook (e.g. a v1 name) is an exported symbol; an answer that is no
-     * exported symbol at all for a function we hook would bypass the caps: say so. */
-    Dl_info info;
+    if (hook != NULL || ms_is_hook(p))
+        return hook != NULL ? hook : p;
+    int known = 0;
+    const variant *v = predict(symbol, version, flags, &known);
+    if (!known)
+        return p;
+    if (v != NULL && v->id < 0)
+        return p; /* an unhooked variant, e.g. the 32-bit cuMemAllocPitch */
+    if (v != NULL && ms_real_fn_loaded((enum ms_hook_id)v->id) != NULL && requery(symbol, v->version, flags) == p)
+        return ms_hook_of((enum ms_hook_id)v->id);
     static int warned;
-    if (symbol != NULL && ms_is_hooked_base(symbol) && !ms_is_hook(p) &&
-        (dladdr(p, &info) == 0 || info.dli_saddr != p) && __atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED) == 0)
+    if (__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED) == 0)
         ms_log(MS_LOG_ERROR,
-               "cuGetProcAddress(\"%s\", %d, %llu) answered an address that is no exported driver function; "
-               "it is passed through and NOT capped",
-               symbol, cudaVersion, (unsigned long long)flags);
+               "cuGetProcAddress(\"%s\", %d, %llu) answered a variant the shim does not know; it is passed "
+               "through and NOT capped",
+               symbol, version, (unsigned long long)flags);
     return p;
 }
 
@@ -46,7 +132,7 @@ CUresult ms_hk_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
         return ms_no_driver("cuGetProcAddress");
     CUresult rc = real(symbol, pfn, cudaVersion, flags);
     if (rc == CUDA_SUCCESS && pfn != NULL)
-        *pfn = swap_for_hook(symbol, cudaVersion, flags, *pfn);
+        *pfn = swap_for_hook(symbol, cudaVersion, flags, *pfn, requery_v1);
     return rc;
 }
 MS_EXPORT_AS(cuGetProcAddress)
@@ -59,7 +145,7 @@ CUresult ms_hk_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersi
         return ms_no_driver("cuGetProcAddress_v2");
     CUresult rc = real(symbol, pfn, cudaVersion, flags, symbolStatus);
     if (rc == CUDA_SUCCESS && pfn != NULL)
-        *pfn = swap_for_hook(symbol, cudaVersion, flags, *pfn);
+        *pfn = swap_for_hook(symbol, cudaVersion, flags, *pfn, requery_v2);
     return rc;
 }
 MS_EXPORT_AS(cuGetProcAddress_v2)

@@ -90,3 +90,36 @@ def test_the_drivers_own_lookups_are_not_redirected(shim_lib: Path, extra_bins: 
     proc = subprocess.run([str(extra_bins / "selfmain")], env=env, capture_output=True, text=True, timeout=30,
                           check=False)
     assert (proc.returncode, proc.stdout) == (0, "driver_own=1 program_gets=libmpsshim.so\n"), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def hidden_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hidden")
+    cc = ["cc", "-std=gnu11", "-O0", "-Wall", "-Wextra", "-Werror"]
+    (out / "driver").mkdir()
+    subprocess.run([*cc, "-fPIC", "-shared", "-fvisibility=hidden", "-Wl,-soname,libcuda.so.1",
+                    "-o", str(out / "driver" / "libcuda.so.1"), str(HERE / "hiddendriver.c")], check=True)
+    subprocess.run([*cc, "-o", str(out / "hiddenmain"), str(HERE / "hiddenmain.c"), "-ldl"], check=True)
+    return out
+
+
+def run_hidden(shim_lib: Path, hidden: Path, version: int, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = {"LD_PRELOAD": str(shim_lib), "LD_LIBRARY_PATH": str(hidden / "driver"),
+           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G", "MPSSHIM_REGION": str(tmp / "r.region")}
+    return subprocess.run([str(hidden / "hiddenmain"), str(version), str(768 << 20), str(512 << 20)], env=env,
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_a_driver_answering_with_internal_addresses_is_still_capped(
+        shim_lib: Path, hidden_driver: Path, tmp_path: Path) -> None:
+    proc = run_hidden(shim_lib, hidden_driver, 3020, tmp_path)
+    assert (proc.returncode, proc.stdout) == (0, "init=0 alloc=0,2 calls=1\n"), proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "NOT capped" in line] == []
+
+
+def test_a_variant_unknown_to_the_shim_passes_through_and_says_so(
+        shim_lib: Path, hidden_driver: Path, tmp_path: Path) -> None:
+    proc = run_hidden(shim_lib, hidden_driver, 12000, tmp_path)
+    assert (proc.returncode, proc.stdout) == (0, "init=0 alloc=0,0 calls=2\n"), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mpsshim[")]
+    assert len(lines) == 1 and '"cuMemAlloc", 12000' in lines[0] and "NOT capped" in lines[0]
