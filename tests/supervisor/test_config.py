@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpsd import config as cfg
 from mpsd.errors import ConfigError
@@ -155,3 +157,28 @@ def test_describe_is_one_line_with_every_key():
     assert "\n" not in line
     for s in cfg.SETTINGS:
         assert f"{s.key}=" in line
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    atp=st.floats(min_value=0.01, max_value=100.0, allow_nan=False),
+    limits=st.dictionaries(st.integers(0, 63), st.integers(1, 1 << 20).map(lambda mib: mib << 20), max_size=4),
+    priority=st.sampled_from([None, 0, 1]),
+    interval_ms=st.integers(1, 10**6),
+    slices=st.integers(1, 100),
+    exclusive=st.booleans(),
+    devices=st.sampled_from([None, "0", "0,1", "GPU-abc,1"]),
+)
+def test_any_valid_config_round_trips_through_yaml(tmp_path_factory, atp, limits, priority, interval_ms, slices, exclusive, devices):
+    from mpsd.units import format_limits
+
+    c = cfg.load(None, {}, {
+        "active-thread-percentage": atp, "pinned-mem-limit": format_limits(limits), "client-priority": priority,
+        "health-interval": f"{interval_ms}ms", "slices-per-gpu": slices, "exclusive-process": exclusive,
+        "visible-devices": devices,
+    })
+    assert c.pinned_mem_limit == limits and c.client_priority == priority
+    assert c.health_interval == pytest.approx(interval_ms / 1000)
+    path = tmp_path_factory.mktemp("rt") / "c.yaml"
+    path.write_text(yaml.safe_dump(c.to_dict()))
+    assert cfg.load(str(path), {}, {}) == c
