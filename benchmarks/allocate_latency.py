@@ -7,8 +7,9 @@ Two runs of ``--calls`` calls each:
 - new:    every call is a new allocation (region directory created, state file rewritten
           with fsync); after each timed call the allocation is released again (untimed), so
           the state holds ``--live`` other allocations throughout;
-- repeat: the same device IDs again (the kubelet re-allocating after its own restart): no
-          write, the answer is rebuilt from the recorded allocation.
+- repeat: the same device IDs again (a new container on the same slices, or the kubelet
+          re-allocating): the answer is rebuilt from the recorded allocation, whose
+          allocation time is refreshed on disk (one state write with fsync).
 Prints p50, p99, mean and max in milliseconds. Everything lives in a temporary directory
 under $TMPDIR (the state file's fsync goes to that file system).
 """

@@ -157,11 +157,11 @@ class DevicePlugin:
         log.info("device plugin stopped resource=%s", self.resource_name)
 
     def run(self, stop: threading.Event) -> None:
-        self.start()
         try:
+            self.start()
             stop.wait()
         finally:
-            self.stop()
+            self.stop()  # also after a failed start: nothing is left serving
 
     # -- one round of the watchdog (tests call it directly) -------------------------------
 

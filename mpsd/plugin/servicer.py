@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import grpc
@@ -128,8 +129,12 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         with self._record_lock:
             existing = self.store.get(plan.allocation_id)
             if existing is not None:
+                # the same devices again (a new container, or the kubelet re-allocating):
+                # the fresh time keeps garbage collection off it until the kubelet lists it
+                again = replace(existing, allocated=time.time())
+                self.store.put(again)
                 log.info("Allocate again allocation=%s devices=%s", plan.allocation_id, ",".join(plan.device_ids))
-                return existing
+                return again
             allocation = Allocation(
                 allocation_id=plan.allocation_id,
                 device_ids=plan.device_ids,

@@ -29,10 +29,11 @@ class Allocation:
     memory_limits: dict[int, int]  # ordinal -> bytes
     active_thread_percentage: float
     region_dir: str
-    created: float  # seconds since the epoch
+    created: float  # seconds since the epoch, first Allocate of these device IDs
     pod: str = ""
     namespace: str = ""
     container: str = ""
+    allocated: float = 0.0  # last Allocate of these device IDs (0: same as created)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -54,7 +55,12 @@ class Allocation:
             pod=str(data.get("pod", "")),
             namespace=str(data.get("namespace", "")),
             container=str(data.get("container", "")),
+            allocated=float(data.get("allocated", 0.0)),
         )
+
+    @property
+    def last_allocated(self) -> float:
+        return max(self.created, self.allocated)
 
     def labelled(self, pod: str, namespace: str, container: str) -> "Allocation":
         return replace(self, pod=pod, namespace=namespace, container=container)

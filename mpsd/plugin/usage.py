@@ -36,8 +36,9 @@ def reconcile(
     grace: float,
 ) -> Reconciled:
     """Label allocations with their container; an allocation whose device IDs no container
-    holds any more is stale, unless younger than ``grace`` seconds (the kubelet lists a
-    container only after Allocate returned). Without the API (``holders`` None) nothing is
+    holds any more is stale, unless allocated less than ``grace`` seconds ago (the kubelet
+    lists a container only after Allocate returned, and the same devices may go to a new
+    container before the old one's allocation was collected). Without the API (``holders`` None) nothing is
     stale and labels stay as they were."""
     keep: list[Allocation] = []
     stale: list[Allocation] = []
@@ -48,7 +49,7 @@ def reconcile(
         holder = holders.get(frozenset(a.device_ids))
         if holder is not None:
             keep.append(a.labelled(holder.pod, holder.namespace, holder.container))
-        elif now - a.created < grace:
+        elif now - a.last_allocated < grace:
             keep.append(a)
         else:
             stale.append(a)

@@ -26,6 +26,7 @@ allocations = st.builds(
     pod=st.text(max_size=10),
     namespace=st.text(max_size=10),
     container=st.text(max_size=10),
+    allocated=st.floats(0, 2e9),
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -25,23 +26,24 @@ def alloc(aid: str, ids: tuple[str, ...], created: float = 0.0, **labels) -> All
 OLD = alloc("old", ("GPU-a::0",), created=0.0, pod="p0", namespace="n0", container="c0")
 YOUNG = alloc("young", ("GPU-a::1",), created=95.0)
 HELD = alloc("held", ("GPU-a::2", "GPU-a::3"), created=0.0)
+AGAIN = alloc("again", ("GPU-a::4",), created=0.0, allocated=95.0)  # old, but just handed out again
 
 
 @pytest.mark.parametrize(
     "holders, keep, stale",
     [
         # no pod-resources API: nothing is stale, labels stay
-        (None, {"old": "p0", "young": "", "held": ""}, set()),
+        (None, {"old": "p0", "young": "", "held": "", "again": ""}, set()),
         # the API knows one container holding exactly HELD's devices
-        ({frozenset({"GPU-a::2", "GPU-a::3"}): Holder("web", "prod", "main")}, {"young": "", "held": "web"}, {"old"}),
+        ({frozenset({"GPU-a::2", "GPU-a::3"}): Holder("web", "prod", "main")}, {"young": "", "held": "web", "again": ""}, {"old"}),
         # a container holds only part of HELD: HELD's container is gone
-        ({frozenset({"GPU-a::2"}): Holder("x", "y", "z")}, {"young": ""}, {"old", "held"}),
+        ({frozenset({"GPU-a::2"}): Holder("x", "y", "z")}, {"young": "", "again": ""}, {"old", "held"}),
         # an empty list: only the allocation inside the grace period survives
-        ({}, {"young": ""}, {"old", "held"}),
+        ({}, {"young": "", "again": ""}, {"old", "held"}),
     ],
 )
 def test_reconcile(holders, keep, stale):
-    result = reconcile([OLD, YOUNG, HELD], holders, now=100.0, grace=10.0)
+    result = reconcile([OLD, YOUNG, HELD, AGAIN], holders, now=100.0, grace=10.0)
     assert {a.allocation_id: a.pod for a in result.keep} == keep
     assert {a.allocation_id for a in result.stale} == stale
 
@@ -88,6 +90,32 @@ def test_labels_gc_and_metrics_through_the_pod_resources_api(env, kubelet):
         assert [a["allocation_id"] for a in json.load(open(env.state_path))["allocations"]] == [web_a.allocation_id]
         gone = dict(labels, allocation=batch_a.allocation_id, pod="", container="", namespace="", gpu="1")
         assert metrics.registry.get_sample_value("mpsd_allocation_memory_used_bytes", gone) is None
+    finally:
+        plugin.stop()
+        pr.stop()
+
+
+def test_devices_handed_out_again_are_not_collected_before_the_kubelet_lists_them(env, kubelet):
+    import time
+
+    pr = FakePodResources(str(env.pod_resources_socket))  # lists nobody yet
+    g = gpus(80)
+    plugin = env.plugin(g, usage_reader=lambda path: {})
+    plugin.start()
+    try:
+        ids = (f"{g[0].uuid}::0",)
+        _, s = stub(plugin)
+        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+        (first,) = plugin.store.all()
+        aged = replace(first, created=first.created - 3600, pod="old-pod")  # its pod ended an hour ago
+        plugin.store.put(aged)
+        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+        plugin.tracker.tick(now=time.time() + 1)
+        (kept,) = plugin.store.all()
+        assert kept.created == aged.created and kept.allocated > aged.created + 3000
+        assert os.path.isdir(kept.region_dir)
+        plugin.tracker.tick(now=time.time() + 120)  # still not listed two minutes later: released
+        assert plugin.store.all() == [] and not os.path.exists(kept.region_dir)
     finally:
         plugin.stop()
         pr.stop()
