@@ -1,7 +1,7 @@
 """Session fixtures shared by the test suite.
 
-- `fake_cuda_dir`: a directory holding the fake libcuda.so.1 (tests/fakes), built once per
-  session; put it on LD_LIBRARY_PATH.
+- `fake_cuda_dir`: a directory holding every fake driver of tests/fakes (libcuda.so.1 and
+  libnvidia-ml.so.1), built once per session; put it on LD_LIBRARY_PATH.
 - `shim_lib`: libmpsshim.so freshly built from csrc/ into a session directory, so tests run the
   current sources (not a stale copy in shim/).
 - `run_client(argv, env, timeout)`: run a client process with exactly the given extra
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes import build_fake_cuda
+from tests.fakes import build_fakes
 
 REPO = Path(__file__).resolve().parent.parent
 ClientRunner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -27,7 +27,7 @@ ClientRunner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 @pytest.fixture(scope="session")
 def fake_cuda_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_fake_cuda(tmp_path_factory.mktemp("fakecuda"))
+    return build_fakes(tmp_path_factory.mktemp("fakecuda"))
 
 
 @pytest.fixture(scope="session")
