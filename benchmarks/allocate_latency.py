@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         plugin.stop()
         shutil.rmtree(root, ignore_errors=True)
-    print(f"gpus={args.gpus} slices_per_gpu={args.slices} live_allocations={args.live} python={sys.version.split()[0]} grpc={grpc.__version__}")
+    print(
+        f"gpus={args.gpus} slices_per_gpu={args.slices} live_allocations={args.live} "
+        f"python={sys.version.split()[0]} grpc={grpc.__version__}"
+    )
     print(summary("new", new))
     print(summary("repeat", repeat))
     return 0

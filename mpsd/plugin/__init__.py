@@ -131,7 +131,11 @@ class DevicePlugin:
             log.info("shim installed source=%s dest=%s", self.shim_library, dest)
         for allocation in self.store.load().values():
             if not os.path.isdir(allocation.region_dir):
-                log.warning("region directory missing, re-creating allocation=%s path=%s", allocation.allocation_id, allocation.region_dir)
+                log.warning(
+                    "region directory missing, re-creating allocation=%s path=%s",
+                    allocation.allocation_id,
+                    allocation.region_dir,
+                )
                 os.makedirs(allocation.region_dir, exist_ok=True)
                 os.chmod(allocation.region_dir, 0o777)
         self._serve()
@@ -180,7 +184,12 @@ class DevicePlugin:
         if kubelet == self._registered_with:
             return
         try:
-            register(self.kubelet_socket, endpoint=self.socket_name, resource_name=self.resource_name, timeout=self.register_timeout)
+            register(
+                self.kubelet_socket,
+                endpoint=self.socket_name,
+                resource_name=self.resource_name,
+                timeout=self.register_timeout,
+            )
         except PluginError as exc:
             if str(exc) != self._last_register_error:
                 log.warning("%s (retrying every %.1fs)", exc, self.poll_interval)
@@ -189,7 +198,12 @@ class DevicePlugin:
         self._registered_with = kubelet
         self._last_register_error = ""
         self.registrations += 1
-        log.info("registered with kubelet resource=%s endpoint=%s count=%d", self.resource_name, self.socket_name, self.registrations)
+        log.info(
+            "registered with kubelet resource=%s endpoint=%s count=%d",
+            self.resource_name,
+            self.socket_name,
+            self.registrations,
+        )
 
     # -- internals -------------------------------------------------------------------------
 

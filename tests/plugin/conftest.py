@@ -17,8 +17,13 @@ import grpc
 import pytest
 
 from mpsd.health import HealthBoard
-from mpsd.plugin import DevicePlugin
-from mpsd.plugin import api_pb2, api_pb2_grpc, podresources_pb2, podresources_pb2_grpc
+from mpsd.plugin import (
+    DevicePlugin,
+    api_pb2,
+    api_pb2_grpc,
+    podresources_pb2,
+    podresources_pb2_grpc,
+)
 from mpsd.plugin.response import HostPaths
 
 GIB = 1 << 30
@@ -165,3 +170,9 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
             return True
         time.sleep(interval)
     return predicate()
+
+
+def allocate(s: api_pb2_grpc.DevicePluginStub, *containers: list[str]) -> api_pb2.AllocateResponse:
+    """Allocate as the kubelet calls it: one ContainerAllocateRequest per list of device IDs."""
+    req = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=c) for c in containers])
+    return s.Allocate(req, timeout=10)

@@ -14,10 +14,10 @@ import pytest
 from mpsd.config import load
 from mpsd.health import HealthBoard
 from mpsd.metrics import Metrics
-from mpsd.plugin import api_pb2, run_plugin
+from mpsd.plugin import run_plugin
 from mpsd.plugin.usage import shim_usage
 
-from .conftest import GIB, FakeKubelet, gpus, stub
+from .conftest import GIB, FakeKubelet, allocate, gpus, stub
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,8 +58,7 @@ def test_run_plugin_serves_until_stopped(short_dir, shim_lib):
         assert (req.resource_name, req.version) == ("mpsd.io/gpu", "v1beta1")
         assert (short_dir / "lib" / "libmpsshim.so").read_bytes() == shim_lib.read_bytes()
         _, s = stub(str(kubelet_dir / req.endpoint))
-        reply = s.Allocate(api_pb2.AllocateRequest(container_requests=[
-            api_pb2.ContainerAllocateRequest(devices_ids=[f"{g[0].uuid}::0"])]), timeout=5)
+        reply = allocate(s, [f"{g[0].uuid}::0"])
         assert reply.container_responses[0].envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G"
         assert (short_dir / "state" / "device-plugin-state.json").exists()
     finally:
@@ -89,8 +88,7 @@ def test_usage_of_an_allocation_comes_from_its_region(env, kubelet, holder_exe, 
     holders = []
     try:
         _, s = stub(plugin)
-        s.Allocate(api_pb2.AllocateRequest(container_requests=[
-            api_pb2.ContainerAllocateRequest(devices_ids=[f"{g[0].uuid}::0", f"{g[0].uuid}::1"])]), timeout=5)
+        allocate(s, [f"{g[0].uuid}::0", f"{g[0].uuid}::1"])
         (a,) = plugin.store.all()
         region = os.path.join(a.region_dir, "region")
         assert [r.used_bytes for r in plugin.tracker.tick()] == [0]  # no process yet, no region file

@@ -13,14 +13,9 @@ import pytest
 from mpsd.plugin import api_pb2
 from mpsd.units import parse_limits
 
-from .conftest import GIB, RESOURCE, FakeKubelet, gpus, stub, wait_for
+from .conftest import GIB, RESOURCE, FakeKubelet, allocate, gpus, stub, wait_for
 
 EMPTY = api_pb2.Empty()
-
-
-def allocate(s, *containers):
-    req = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=c) for c in containers])
-    return s.Allocate(req, timeout=10)
 
 
 def prefer(s, available, size, must=()):
@@ -75,7 +70,8 @@ def test_options_and_prestart(started):
     _, s = stub(started(gpus(80)))
     opts = s.GetDevicePluginOptions(EMPTY, timeout=5)
     assert opts.get_preferred_allocation_available and not opts.pre_start_required
-    assert s.PreStartContainer(api_pb2.PreStartContainerRequest(devices_ids=["x"]), timeout=5) == api_pb2.PreStartContainerResponse()
+    reply = s.PreStartContainer(api_pb2.PreStartContainerRequest(devices_ids=["x"]), timeout=5)
+    assert reply == api_pb2.PreStartContainerResponse()
 
 
 def test_list_and_watch_follows_the_daemon_health(started, env):

@@ -19,7 +19,7 @@ from mpsd.plugin.slicing import (
     thread_percentage,
 )
 
-from .conftest import GIB, FakeGpu, gpus
+from .conftest import GIB, FakeGpu
 
 A, B, C = "GPU-a", "GPU-b", "GPU-c"
 
@@ -64,7 +64,10 @@ def test_slice_shares(memory, n, shares):
     assert [slice_share_bytes(memory, n, k) for k in range(n)] == shares
 
 
-@pytest.mark.parametrize("k, n, pct", [(1, 10, 10.0), (3, 10, 30.0), (7, 10, 70.0), (10, 10, 100.0), (1, 3, 33.33), (2, 3, 66.67), (1, 100, 1.0)])
+@pytest.mark.parametrize(
+    "k, n, pct",
+    [(1, 10, 10.0), (3, 10, 30.0), (7, 10, 70.0), (10, 10, 100.0), (1, 3, 33.33), (2, 3, 66.67), (1, 100, 1.0)],
+)
 def test_thread_percentage(k, n, pct):
     assert thread_percentage(k, n) == pct
 
@@ -140,7 +143,12 @@ ORDER = [A, B, C]
         # free 5, 4, 3 and 7 wanted: the biggest, then the best fit for 2 (GPU-c, leaves 1)
         (ids(A, *range(5)) + ids(B, *range(4)) + ids(C, *range(3)), [], 7, ids(A, *range(5)) + ids(C, 0, 1)),
         # must_include on two GPUs: both kept, rest filled from them before any other GPU
-        (ids(A, 0, 1) + ids(B, 0, 1) + ids(C, *range(10)), ids(A, 1) + ids(B, 1), 4, ids(A, 1) + ids(B, 1) + ids(A, 0) + ids(B, 0)),
+        (
+            ids(A, 0, 1) + ids(B, 0, 1) + ids(C, *range(10)),
+            ids(A, 1) + ids(B, 1),
+            4,
+            ids(A, 1) + ids(B, 1) + ids(A, 0) + ids(B, 0),
+        ),
         # exact: the whole request is the must_include set
         (ids(A, 0, 1, 2), ids(A, 2, 0), 2, ids(A, 2, 0)),
         (ids(A, 0), [], 0, []),

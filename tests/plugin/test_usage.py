@@ -11,12 +11,12 @@ import grpc
 import pytest
 
 from mpsd.metrics import Metrics
-from mpsd.plugin import api_pb2, podresources_pb2_grpc
+from mpsd.plugin import podresources_pb2_grpc
 from mpsd.plugin.kubelet import Holder
 from mpsd.plugin.state import Allocation
 from mpsd.plugin.usage import reconcile, shim_usage
 
-from .conftest import GIB, RESOURCE, FakePodResources, gpus, stub, wait_for
+from .conftest import GIB, RESOURCE, FakePodResources, allocate, gpus, stub, wait_for
 
 
 def alloc(aid: str, ids: tuple[str, ...], created: float = 0.0, **labels) -> Allocation:
@@ -35,7 +35,11 @@ AGAIN = alloc("again", ("GPU-a::4",), created=0.0, allocated=95.0)  # old, but j
         # no pod-resources API: nothing is stale, labels stay
         (None, {"old": "p0", "young": "", "held": "", "again": ""}, set()),
         # the API knows one container holding exactly HELD's devices
-        ({frozenset({"GPU-a::2", "GPU-a::3"}): Holder("web", "prod", "main")}, {"young": "", "held": "web", "again": ""}, {"old"}),
+        (
+            {frozenset({"GPU-a::2", "GPU-a::3"}): Holder("web", "prod", "main")},
+            {"young": "", "held": "web", "again": ""},
+            {"old"},
+        ),
         # a container holds only part of HELD: HELD's container is gone
         ({frozenset({"GPU-a::2"}): Holder("x", "y", "z")}, {"young": "", "again": ""}, {"old", "held"}),
         # an empty list: only the allocation inside the grace period survives
@@ -60,7 +64,7 @@ def test_labels_gc_and_metrics_through_the_pod_resources_api(env, kubelet):
         web = [f"{g[0].uuid}::0", f"{g[0].uuid}::1"]
         batch = [f"{g[0].uuid}::9", f"{g[1].uuid}::0"]
         for ids in (web, batch):
-            s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+            allocate(s, ids)
         by_devices = {a.device_ids: a for a in plugin.store.all()}
         web_a, batch_a = by_devices[tuple(sorted(web))], by_devices[tuple(sorted(batch))]
         used[os.path.join(web_a.region_dir, "region")] = {0: 3 * GIB}
@@ -105,11 +109,11 @@ def test_devices_handed_out_again_are_not_collected_before_the_kubelet_lists_the
     try:
         ids = (f"{g[0].uuid}::0",)
         _, s = stub(plugin)
-        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+        allocate(s, ids)
         (first,) = plugin.store.all()
         aged = replace(first, created=first.created - 3600, pod="old-pod")  # its pod ended an hour ago
         plugin.store.put(aged)
-        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+        allocate(s, ids)
         plugin.tracker.tick(now=time.time() + 1)
         (kept,) = plugin.store.all()
         assert kept.created == aged.created and kept.allocated > aged.created + 3000
@@ -138,7 +142,7 @@ def test_unreachable_pod_resources_keeps_every_allocation(env, kubelet, caplog):
     plugin.start()
     try:
         _, s = stub(plugin)
-        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[f"{g[0].uuid}::0"])]), timeout=5)
+        allocate(s, [f"{g[0].uuid}::0"])
         with caplog.at_level("WARNING", logger="mpsd.plugin.usage"):
             plugin.tracker.tick(now=1e12)
         assert len(plugin.store.all()) == 1
@@ -154,7 +158,7 @@ def test_without_pod_resources_socket_nothing_is_collected(env, kubelet):
     plugin.start()
     try:
         _, s = stub(plugin)
-        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[f"{g[0].uuid}::0"])]), timeout=5)
+        allocate(s, [f"{g[0].uuid}::0"])
         rows = plugin.tracker.tick(now=1e12)
         assert [(r.pod, r.limit_bytes, r.used_bytes) for r in rows] == [("", 8 * GIB, 0)]
         assert len(plugin.store.all()) == 1
@@ -178,7 +182,7 @@ def test_usage_loop_pushes_metrics_on_its_interval(env, kubelet):
     plugin.start()
     try:
         _, s = stub(plugin)
-        s.Allocate(api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[f"{g[0].uuid}::0"])]), timeout=5)
+        allocate(s, [f"{g[0].uuid}::0"])
         (a,) = plugin.store.all()
         labels = dict(allocation=a.allocation_id, pod="", namespace="", container="", gpu="0")
         assert wait_for(lambda: metrics.registry.get_sample_value("mpsd_allocation_memory_used_bytes", labels) == 123)
