@@ -97,7 +97,9 @@ def test_list_and_watch_follows_the_daemon_health(started, env):
     with pytest.raises(queue.Empty):
         stream.updates.get(timeout=0.3)
     plugin.stop()
-    assert stream.ended.wait(5)  # the stream ends when the plugin stops
+    assert stream.ended.wait(5)  # the stream ends when the plugin stops, without an error
+    assert stream.updates.empty()
+    assert stream.call.code() == grpc.StatusCode.OK
 
 
 def test_uneven_requests_on_one_gpu(started, env):
