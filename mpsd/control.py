@@ -299,3 +299,22 @@ def apply_defaults(control: Control, config: "Config") -> None:
         got_priority = control.get_default_client_priority()
         if got_priority != config.client_priority:
             raise ConfigureError(f"clientPriority: set {config.client_priority}, daemon reads back {got_priority}")
+
+
+def limit_early_servers(control: Control, config: "Config") -> list[int]:
+    """Servers that started between the daemon's first answer and the defaults (a client
+    connected in that window) get the configured active thread percentage and pinned limits
+    per server; those reach their new clients. The servers touched; one that exits
+    meanwhile is skipped."""
+    touched = []
+    for server in control.get_server_list():
+        try:
+            control.set_active_thread_percentage(server, config.active_thread_percentage)
+            for device, nbytes in config.pinned_mem_limit.items():
+                control.set_device_pinned_mem_limit(server, device, format_size_mps_control(nbytes))
+        except CommandRejected as exc:
+            log.info("server gone before its settings were applied server=%d error=%s", server, exc)
+            continue
+        log.warning("server started before the defaults were applied server=%d: settings applied to it for new clients", server)
+        touched.append(server)
+    return touched

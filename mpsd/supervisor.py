@@ -26,7 +26,7 @@ from typing import Callable
 from . import dirs
 from .computemode import ComputeMode
 from .config import BY_KEY, Config, changed_keys
-from .control import CommandRejected, ConfigureError, Control, UnknownCommand, apply_defaults
+from .control import CommandRejected, ConfigureError, Control, UnknownCommand, apply_defaults, limit_early_servers
 from .errors import ConfigError, ControlError, ControlTimeout, SetupError
 from .health import HealthBoard
 from .units import format_limits
@@ -69,6 +69,8 @@ class DaemonProcess:
         env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
         env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
         env.pop("CUDA_VISIBLE_DEVICES", None)
+        for name in ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY"):
+            env.pop(name, None)  # mpsd's own environment must not change the daemon's defaults
         if config.visible_devices:
             env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
         try:
@@ -197,6 +199,8 @@ class Supervisor:
                 self._dispatch(event)
         finally:
             self.loop_alive.clear()
+            if self._daemon is not None and self._daemon.alive():  # left by an unexpected error
+                self._daemon.kill()
             if self.config.exclusive_process:
                 self._compute.restore()
 
@@ -239,6 +243,7 @@ class Supervisor:
         try:
             self._wait_listening(self._daemon)
             apply_defaults(self.control(), self.config)
+            limit_early_servers(self.control(), self.config)
         except (ControlError, ConfigureError) as exc:
             daemon, self._daemon = self._daemon, None
             daemon.kill()

@@ -141,3 +141,38 @@ def test_apply_defaults_verifies_by_read_back(daemon):
     rejecting = SendsOutOfRange(control.binary, control.pipe_dir, timeout=10)
     with pytest.raises(ConfigureError, match="activeThreadPercentage: set 25, daemon reads back 50"):
         apply_defaults(rejecting, cfg.load(None, {}, {"active-thread-percentage": "25"}))
+
+
+class WithServers(Control):
+    """The real front-end, pretending servers 777 (gone: the daemon answers "not found")
+    and ``live`` exist; per-server commands to ``live`` are recorded instead of sent."""
+
+    def __init__(self, *args, live: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.live, self.sent = live, []
+
+    def get_server_list(self):
+        return [777, self.live] + super().get_server_list()
+
+    def call(self, command, timeout=None):
+        if command.split()[1:2] == [str(self.live)]:
+            self.sent.append(command)
+            # set_active_thread_percentage echoes the value now in force (NVIDIA's docs)
+            return f"{float(command.split()[-1])}\n" if command.startswith("set_active") else ""
+        return super().call(command, timeout)
+
+
+def test_servers_started_before_the_defaults_get_them_per_server(daemon):
+    from mpsd import config as cfg
+    from mpsd.control import limit_early_servers
+
+    control, _ = daemon
+    fake = WithServers(control.binary, control.pipe_dir, timeout=10, live=4242)
+    config = cfg.load(None, {}, {"active-thread-percentage": "30", "pinned-mem-limit": "0=2G,1=1044M"})
+    assert limit_early_servers(fake, config) == [4242]  # 777 is "not found" on the real daemon
+    assert fake.sent == [
+        "set_active_thread_percentage 4242 30",
+        "set_device_pinned_mem_limit 4242 0 2G",
+        "set_device_pinned_mem_limit 4242 1 1044M",
+    ]
+    assert limit_early_servers(control, config) == []  # no server: nothing to do
