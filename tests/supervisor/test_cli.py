@@ -194,3 +194,24 @@ def test_sighup_reloads_the_file(mps_control, mps_dirs, tmp_path):
             proc.wait()
     assert proc.returncode == 0
     assert "reloaded applied=activeThreadPercentage" in out
+
+
+def test_status_table_shows_defaults_gpus_and_clients_with_memory():
+    from mpsd.daemon import render_status
+
+    data = {
+        "pipeDir": "/run/mps", "daemon": "up", "error": "",
+        "settings": {"activeThreadPercentage": 50.0, "pinnedMemLimit": {"0": 2 << 30, "1": None}, "clientPriority": 0},
+        "servers": [{"pid": 900, "clients": [901]}],
+        "gpus": [{"index": 0, "name": "H100", "uuid": "GPU-1", "memory_used": 3 << 30, "memory_total": 80 << 30}],
+        "clients": [{"pid": 901, "client_id": 0, "server": 900, "device": "GPU-1", "namespace": "4026531836",
+                     "command": "python serve.py", "usedMemory": 1 << 30}],
+    }
+    assert render_status(data).splitlines() == [
+        "daemon: up  pipe dir: /run/mps",
+        "defaults: active threads 50.0%  pinned limit 0=2G,1=unset  client priority 0",
+        "gpu 0: H100 GPU-1  memory 3072/81920 MiB",
+        "servers: 900",
+        "     PID   SERVER DEVICE                       MEMORY  COMMAND",
+        "     901      900 GPU-1                         1024M  python serve.py",
+    ]
