@@ -16,6 +16,7 @@
 #include "real.h"
 
 #define MS_EXPORT __attribute__((visibility("default")))
+#define MS_HIDDEN __attribute__((visibility("hidden")))
 /* Export ms_hk_NAME under the driver's name NAME (same address, so pointers compare). */
 #define MS_EXPORT_AS(NAME) extern __typeof(ms_hk_##NAME) NAME MS_EXPORT __attribute__((alias("ms_hk_" #NAME)));
 
@@ -90,6 +91,9 @@ typedef CUresult (*ms_cuDeviceGetUuid_fn)(CUuuid *uuid, CUdevice dev);
 typedef CUresult (*ms_cuDeviceGetCount_fn)(int *count);
 typedef nvmlReturn_t (*ms_nvmlDeviceGetUUID_fn)(nvmlDevice_t device, char *uuid, unsigned int length);
 typedef nvmlReturn_t (*ms_nvmlDeviceGetIndex_fn)(nvmlDevice_t device, unsigned int *index);
+
+/* The real function of hook NAME, typed like the hook (NULL if the driver has none). */
+#define MS_REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fn(MS_ID_##NAME))
 
 /* The real function for a table entry, resolved once (loading the library if needed). */
 void *ms_real_fn(enum ms_hook_id id);

@@ -8,14 +8,12 @@
 #include "log.h"
 #include "state.h"
 
-#define REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fn(MS_ID_##NAME))
-
 /* With a malformed CUDA_MPS_PINNED_DEVICE_MEM_LIMIT the real cuInit is never called, so CUDA
  * stays uninitialised: cuInit returns CUDA_ERROR_INVALID_VALUE (the configuration value is
  * invalid) and every later driver call gets the driver's own CUDA_ERROR_NOT_INITIALIZED. */
 CUresult ms_hk_cuInit(unsigned int flags)
 {
-    __typeof(ms_hk_cuInit) *real = REAL(cuInit);
+    __typeof(ms_hk_cuInit) *real = MS_REAL(cuInit);
     if (real == NULL)
         return ms_no_driver("cuInit");
     if (!ms_disabled() && ms_state_get()->limits_bad)
@@ -53,7 +51,7 @@ static void clamp_to_cap(int dev, uint64_t cap, uint64_t *free_b, uint64_t *tota
 
 CUresult ms_hk_cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {
-    __typeof(ms_hk_cuMemGetInfo_v2) *real = REAL(cuMemGetInfo_v2);
+    __typeof(ms_hk_cuMemGetInfo_v2) *real = MS_REAL(cuMemGetInfo_v2);
     if (real == NULL)
         return ms_no_driver("cuMemGetInfo_v2");
     CUresult rc = real(free_b, total_b);
@@ -72,7 +70,7 @@ MS_EXPORT_AS(cuMemGetInfo_v2)
 /* 2000-era ABI: the driver clamps to 32 bits; the capped values are never larger. */
 CUresult ms_hk_cuMemGetInfo(unsigned int *free_b, unsigned int *total_b)
 {
-    __typeof(ms_hk_cuMemGetInfo) *real = REAL(cuMemGetInfo);
+    __typeof(ms_hk_cuMemGetInfo) *real = MS_REAL(cuMemGetInfo);
     if (real == NULL)
         return ms_no_driver("cuMemGetInfo");
     CUresult rc = real(free_b, total_b);
@@ -100,7 +98,7 @@ static int device_cap(CUdevice dev, uint64_t *cap)
 
 CUresult ms_hk_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
-    __typeof(ms_hk_cuDeviceTotalMem_v2) *real = REAL(cuDeviceTotalMem_v2);
+    __typeof(ms_hk_cuDeviceTotalMem_v2) *real = MS_REAL(cuDeviceTotalMem_v2);
     if (real == NULL)
         return ms_no_driver("cuDeviceTotalMem_v2");
     CUresult rc = real(bytes, dev);
@@ -113,7 +111,7 @@ MS_EXPORT_AS(cuDeviceTotalMem_v2)
 
 CUresult ms_hk_cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
 {
-    __typeof(ms_hk_cuDeviceTotalMem) *real = REAL(cuDeviceTotalMem);
+    __typeof(ms_hk_cuDeviceTotalMem) *real = MS_REAL(cuDeviceTotalMem);
     if (real == NULL)
         return ms_no_driver("cuDeviceTotalMem");
     CUresult rc = real(bytes, dev);

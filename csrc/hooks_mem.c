@@ -110,15 +110,15 @@ typedef enum undo_kind { UNDO_FREE_V2, UNDO_FREE_V1, UNDO_RELEASE } undo_kind;
 static void undo_alloc(undo_kind kind, uint64_t key)
 {
     if (kind == UNDO_FREE_V2) {
-        __typeof(ms_hk_cuMemFree_v2) *f = (__typeof(f))ms_real_fn(MS_ID_cuMemFree_v2);
+        __typeof(ms_hk_cuMemFree_v2) *f = MS_REAL(cuMemFree_v2);
         if (f != NULL)
             f((CUdeviceptr)key);
     } else if (kind == UNDO_FREE_V1) {
-        __typeof(ms_hk_cuMemFree) *f = (__typeof(f))ms_real_fn(MS_ID_cuMemFree);
+        __typeof(ms_hk_cuMemFree) *f = MS_REAL(cuMemFree);
         if (f != NULL)
             f((CUdeviceptr_v1)key);
     } else {
-        __typeof(ms_hk_cuMemRelease) *f = (__typeof(f))ms_real_fn(MS_ID_cuMemRelease);
+        __typeof(ms_hk_cuMemRelease) *f = MS_REAL(cuMemRelease);
         if (f != NULL)
             f((CUmemGenericAllocationHandle)key);
     }
@@ -167,13 +167,11 @@ static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)
 }
 
 /* The real function of hook NAME, typed like the hook. */
-#define REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fn(MS_ID_##NAME))
-
 /* ---- allocations ---------------------------------------------------------------------- */
 
 CUresult ms_hk_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
-    __typeof(ms_hk_cuMemAlloc_v2) *real = REAL(cuMemAlloc_v2);
+    __typeof(ms_hk_cuMemAlloc_v2) *real = MS_REAL(cuMemAlloc_v2);
     if (real == NULL)
         return ms_no_driver("cuMemAlloc_v2");
     charge c;
@@ -188,7 +186,7 @@ MS_EXPORT_AS(cuMemAlloc_v2)
 /* 2000-era ABI: 32-bit size and pointer. */
 CUresult ms_hk_cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
 {
-    __typeof(ms_hk_cuMemAlloc) *real = REAL(cuMemAlloc);
+    __typeof(ms_hk_cuMemAlloc) *real = MS_REAL(cuMemAlloc);
     if (real == NULL)
         return ms_no_driver("cuMemAlloc");
     charge c;
@@ -205,7 +203,7 @@ MS_EXPORT_AS(cuMemAlloc)
 CUresult ms_hk_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
                                   unsigned int elementSize)
 {
-    __typeof(ms_hk_cuMemAllocPitch_v2) *real = REAL(cuMemAllocPitch_v2);
+    __typeof(ms_hk_cuMemAllocPitch_v2) *real = MS_REAL(cuMemAllocPitch_v2);
     if (real == NULL)
         return ms_no_driver("cuMemAllocPitch_v2");
     charge c;
@@ -236,7 +234,7 @@ MS_EXPORT_AS(cuMemAllocPitch_v2)
 
 CUresult ms_hk_cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
 {
-    __typeof(ms_hk_cuMemAllocManaged) *real = REAL(cuMemAllocManaged);
+    __typeof(ms_hk_cuMemAllocManaged) *real = MS_REAL(cuMemAllocManaged);
     if (real == NULL)
         return ms_no_driver("cuMemAllocManaged");
     charge c;
@@ -251,7 +249,7 @@ MS_EXPORT_AS(cuMemAllocManaged)
 /* Stream-ordered allocations. cuMemFree_v2 may free them too, so it is the undo. */
 CUresult ms_hk_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream stream)
 {
-    __typeof(ms_hk_cuMemAllocAsync) *real = REAL(cuMemAllocAsync);
+    __typeof(ms_hk_cuMemAllocAsync) *real = MS_REAL(cuMemAllocAsync);
     if (real == NULL)
         return ms_no_driver("cuMemAllocAsync");
     charge c;
@@ -265,7 +263,7 @@ MS_EXPORT_AS(cuMemAllocAsync)
 
 CUresult ms_hk_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream stream)
 {
-    __typeof(ms_hk_cuMemAllocAsync_ptsz) *real = REAL(cuMemAllocAsync_ptsz);
+    __typeof(ms_hk_cuMemAllocAsync_ptsz) *real = MS_REAL(cuMemAllocAsync_ptsz);
     if (real == NULL)
         return ms_no_driver("cuMemAllocAsync_ptsz");
     charge c;
@@ -279,7 +277,7 @@ MS_EXPORT_AS(cuMemAllocAsync_ptsz)
 
 CUresult ms_hk_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream)
 {
-    __typeof(ms_hk_cuMemAllocFromPoolAsync) *real = REAL(cuMemAllocFromPoolAsync);
+    __typeof(ms_hk_cuMemAllocFromPoolAsync) *real = MS_REAL(cuMemAllocFromPoolAsync);
     if (real == NULL)
         return ms_no_driver("cuMemAllocFromPoolAsync");
     charge c;
@@ -293,7 +291,7 @@ MS_EXPORT_AS(cuMemAllocFromPoolAsync)
 
 CUresult ms_hk_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream)
 {
-    __typeof(ms_hk_cuMemAllocFromPoolAsync_ptsz) *real = REAL(cuMemAllocFromPoolAsync_ptsz);
+    __typeof(ms_hk_cuMemAllocFromPoolAsync_ptsz) *real = MS_REAL(cuMemAllocFromPoolAsync_ptsz);
     if (real == NULL)
         return ms_no_driver("cuMemAllocFromPoolAsync_ptsz");
     charge c;
@@ -308,7 +306,7 @@ MS_EXPORT_AS(cuMemAllocFromPoolAsync_ptsz)
 CUresult ms_hk_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                            unsigned long long flags)
 {
-    __typeof(ms_hk_cuMemCreate) *real = REAL(cuMemCreate);
+    __typeof(ms_hk_cuMemCreate) *real = MS_REAL(cuMemCreate);
     if (real == NULL)
         return ms_no_driver("cuMemCreate");
     int type = 0, dev = 0;
@@ -331,7 +329,7 @@ MS_EXPORT_AS(cuMemCreate)
 
 CUresult ms_hk_cuMemFree_v2(CUdeviceptr dptr)
 {
-    __typeof(ms_hk_cuMemFree_v2) *real = REAL(cuMemFree_v2);
+    __typeof(ms_hk_cuMemFree_v2) *real = MS_REAL(cuMemFree_v2);
     if (real == NULL)
         return ms_no_driver("cuMemFree_v2");
     forget f;
@@ -342,7 +340,7 @@ MS_EXPORT_AS(cuMemFree_v2)
 
 CUresult ms_hk_cuMemFree(CUdeviceptr_v1 dptr)
 {
-    __typeof(ms_hk_cuMemFree) *real = REAL(cuMemFree);
+    __typeof(ms_hk_cuMemFree) *real = MS_REAL(cuMemFree);
     if (real == NULL)
         return ms_no_driver("cuMemFree");
     forget f;
@@ -354,7 +352,7 @@ MS_EXPORT_AS(cuMemFree)
 /* The memory goes back to the pool in stream order; it is uncharged now. */
 CUresult ms_hk_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
 {
-    __typeof(ms_hk_cuMemFreeAsync) *real = REAL(cuMemFreeAsync);
+    __typeof(ms_hk_cuMemFreeAsync) *real = MS_REAL(cuMemFreeAsync);
     if (real == NULL)
         return ms_no_driver("cuMemFreeAsync");
     forget f;
@@ -365,7 +363,7 @@ MS_EXPORT_AS(cuMemFreeAsync)
 
 CUresult ms_hk_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
 {
-    __typeof(ms_hk_cuMemFreeAsync_ptsz) *real = REAL(cuMemFreeAsync_ptsz);
+    __typeof(ms_hk_cuMemFreeAsync_ptsz) *real = MS_REAL(cuMemFreeAsync_ptsz);
     if (real == NULL)
         return ms_no_driver("cuMemFreeAsync_ptsz");
     forget f;
@@ -377,7 +375,7 @@ MS_EXPORT_AS(cuMemFreeAsync_ptsz)
 /* Uncharged at release, even if the handle is still mapped (the driver frees it at unmap). */
 CUresult ms_hk_cuMemRelease(CUmemGenericAllocationHandle handle)
 {
-    __typeof(ms_hk_cuMemRelease) *real = REAL(cuMemRelease);
+    __typeof(ms_hk_cuMemRelease) *real = MS_REAL(cuMemRelease);
     if (real == NULL)
         return ms_no_driver("cuMemRelease");
     forget f;

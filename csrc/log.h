@@ -13,8 +13,8 @@ int ms_log_enabled(int level);
 
 void ms_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* Like ms_log, but at most one line per `*last_ns` window of one second: a burst of
- * refusals prints its first line, then a line per second saying how many were dropped. */
+/* Like ms_log, but at most one line per second per `rl`: a burst of refusals prints its
+ * first line; the next line printed after a second says how many were dropped meanwhile. */
 typedef struct ms_ratelimit {
     long long last_ns;
     unsigned long suppressed;

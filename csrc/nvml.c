@@ -15,8 +15,6 @@
 #include "log.h"
 #include "state.h"
 
-#define REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fn(MS_ID_##NAME))
-
 enum { NVML_ERROR_LIBRARY_NOT_FOUND = 12 };
 
 /* CUDA ordinal of the device with this UUID, if libcuda is loaded and initialised here. */
@@ -79,7 +77,7 @@ static void clamp(uint64_t cap, int ordinal, unsigned long long *total, unsigned
 
 nvmlReturn_t ms_hk_nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    __typeof(ms_hk_nvmlDeviceGetMemoryInfo) *real = REAL(nvmlDeviceGetMemoryInfo);
+    __typeof(ms_hk_nvmlDeviceGetMemoryInfo) *real = MS_REAL(nvmlDeviceGetMemoryInfo);
     if (real == NULL)
         return NVML_ERROR_LIBRARY_NOT_FOUND;
     nvmlReturn_t rc = real(device, memory);
@@ -93,7 +91,7 @@ MS_EXPORT_AS(nvmlDeviceGetMemoryInfo)
 
 nvmlReturn_t ms_hk_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
-    __typeof(ms_hk_nvmlDeviceGetMemoryInfo_v2) *real = REAL(nvmlDeviceGetMemoryInfo_v2);
+    __typeof(ms_hk_nvmlDeviceGetMemoryInfo_v2) *real = MS_REAL(nvmlDeviceGetMemoryInfo_v2);
     if (real == NULL)
         return NVML_ERROR_LIBRARY_NOT_FOUND;
     nvmlReturn_t rc = real(device, memory);

@@ -9,11 +9,10 @@
  * itself thus returns our wrapper, and every later query stays hooked.
  *
  * dlsym: glibc's dlsym is reached with dlvsym. A lookup is redirected only when the name is
- * one the shim exports, the handle is libcuda's / libnvidia-ml's own handle, RTLD_DEFAULT or
- * RTLD_NEXT, the lookup does not come from inside that library (the driver's own lookups
- * stay real), and the answer is that library's real function. */
+ * one the shim exports, the handle is libcuda's / libnvidia-ml's own handle or RTLD_DEFAULT,
+ * the lookup does not come from inside that library (the driver's own lookups stay real),
+ * and the answer is that library's real function. RTLD_NEXT goes to glibc untouched (below). */
 #include <dlfcn.h>
-#include <link.h>
 #include <string.h>
 
 #include "hooks.h"
@@ -80,14 +79,14 @@ typedef void *(*requery_fn)(const char *symbol, int version, cuuint64_t flags);
 
 static void *requery_v1(const char *symbol, int version, cuuint64_t flags)
 {
-    __typeof(ms_hk_cuGetProcAddress) *real = (__typeof(real))ms_real_fn(MS_ID_cuGetProcAddress);
+    __typeof(ms_hk_cuGetProcAddress) *real = MS_REAL(cuGetProcAddress);
     void *p = NULL;
     return real != NULL && real(symbol, &p, version, flags) == CUDA_SUCCESS ? p : NULL;
 }
 
 static void *requery_v2(const char *symbol, int version, cuuint64_t flags)
 {
-    __typeof(ms_hk_cuGetProcAddress_v2) *real = (__typeof(real))ms_real_fn(MS_ID_cuGetProcAddress_v2);
+    __typeof(ms_hk_cuGetProcAddress_v2) *real = MS_REAL(cuGetProcAddress_v2);
     void *p = NULL;
     CUdriverProcAddressQueryResult status = 0;
     return real != NULL && real(symbol, &p, version, flags, &status) == CUDA_SUCCESS ? p : NULL;
@@ -127,7 +126,7 @@ static void *swap_for_hook(const char *symbol, int version, cuuint64_t flags, vo
 
 CUresult ms_hk_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
 {
-    __typeof(ms_hk_cuGetProcAddress) *real = (__typeof(real))ms_real_fn(MS_ID_cuGetProcAddress);
+    __typeof(ms_hk_cuGetProcAddress) *real = MS_REAL(cuGetProcAddress);
     if (real == NULL)
         return ms_no_driver("cuGetProcAddress");
     CUresult rc = real(symbol, pfn, cudaVersion, flags);
@@ -140,7 +139,7 @@ MS_EXPORT_AS(cuGetProcAddress)
 CUresult ms_hk_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                                    CUdriverProcAddressQueryResult *symbolStatus)
 {
-    __typeof(ms_hk_cuGetProcAddress_v2) *real = (__typeof(real))ms_real_fn(MS_ID_cuGetProcAddress_v2);
+    __typeof(ms_hk_cuGetProcAddress_v2) *real = MS_REAL(cuGetProcAddress_v2);
     if (real == NULL)
         return ms_no_driver("cuGetProcAddress_v2");
     CUresult rc = real(symbol, pfn, cudaVersion, flags, symbolStatus);
@@ -150,53 +149,81 @@ CUresult ms_hk_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersi
 }
 MS_EXPORT_AS(cuGetProcAddress_v2)
 
-/* RTLD_NEXT relative to the original caller: forwarding RTLD_NEXT from here would mean "next
- * after the shim", which for a library loaded after the shim can be that library's own
- * definition (its wrapper would then call itself forever). Search the objects after the
- * caller's in load order and take the first one that defines the name itself. A link_map of
- * an object loaded at start-up is not a usable dlsym handle, so each is reopened with
- * RTLD_NOLOAD (which only takes and drops a reference). */
-static void *next_after(ms_dlsym_fn real, const void *caller, const char *name)
-{
-    Dl_info info;
-    struct link_map *lm = NULL;
-    if (dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) == 0 || lm == NULL)
-        return real(RTLD_NEXT, name);
-    for (struct link_map *m = lm->l_next; m != NULL; m = m->l_next) {
-        if (m->l_name == NULL || m->l_name[0] == '\0')
-            continue;
-        void *h = dlopen(m->l_name, RTLD_LAZY | RTLD_NOLOAD);
-        if (h == NULL)
-            continue;
-        void *p = real(h, name);
-        dlclose(h);
-        if (p == NULL)
-            continue;
-        struct link_map *owner = NULL;
-        if (dladdr1(p, &info, (void **)&owner, RTLD_DL_LINKMAP) != 0 && owner == m)
-            return p;
-    }
-    return NULL;
-}
+/* dlsym itself is a few instructions of assembly so that RTLD_NEXT lookups reach glibc's
+ * dlsym by a tail jump: glibc resolves RTLD_NEXT relative to its return address, which then
+ * is still the original caller's. Forwarding RTLD_NEXT from C would mean "next after the
+ * shim": a library loaded after the shim would get its own definition back and recurse
+ * forever. The jump also keeps the shim's code out of the way of sanitizer runtimes, which
+ * look up RTLD_NEXT symbols before they are initialised. Every other lookup goes to
+ * ms_dlsym_impl (also by a tail jump, so its return address is the caller's too).
+ * RTLD_NEXT lookups are never redirected: a caller before the shim gets the shim's hook from
+ * glibc anyway, a caller after it (another interposer) asks for the real function. */
+MS_HIDDEN void *ms_dlsym_impl(void *handle, const char *name);
 
-MS_EXPORT void *dlsym(void *handle, const char *name);
-
-MS_EXPORT void *dlsym(void *handle, const char *name)
+MS_HIDDEN void *ms_dlsym_impl(void *handle, const char *name)
 {
     ms_dlsym_fn real = ms_real_dlsym();
     if (real == NULL)
         return NULL;
     const void *caller = __builtin_return_address(0);
-    void *p = handle == RTLD_NEXT ? next_after(real, caller, name) : real(handle, name);
+    void *p = real(handle, name);
     if (p == NULL || (name[0] != 'c' && name[0] != 'n'))
         return p;
     ms_lib lib;
     void *hook = ms_hook_by_name(name, &lib);
     if (hook == NULL || p == hook || ms_disabled())
         return p;
-    if (handle != RTLD_DEFAULT && handle != RTLD_NEXT && handle != ms_lib_handle(lib, 0))
+    if (handle != RTLD_DEFAULT && handle != ms_lib_handle(lib, 0))
         return p;
     if (ms_addr_in_lib(lib, caller)) /* the driver looking itself up: never redirected */
         return p;
     return p == ms_real_lookup(lib, name, 0) ? hook : p;
 }
+
+/* MS_HIDDEN functions called from the assembly below. */
+MS_HIDDEN ms_dlsym_fn ms_real_dlsym_for_asm(void);
+MS_HIDDEN ms_dlsym_fn ms_real_dlsym_for_asm(void) { return ms_real_dlsym(); }
+
+#if defined(__x86_64__)
+__asm__(".text\n"
+        ".globl dlsym\n"
+        ".type dlsym, @function\n"
+        "dlsym:\n"
+        "    cmpq $-1, %rdi\n" /* RTLD_NEXT */
+        "    je 1f\n"
+        "    jmp ms_dlsym_impl\n"
+        "1:  pushq %rdi\n"
+        "    pushq %rsi\n"
+        "    subq $8, %rsp\n" /* 16-byte alignment for the call */
+        "    call ms_real_dlsym_for_asm\n"
+        "    addq $8, %rsp\n"
+        "    popq %rsi\n"
+        "    popq %rdi\n"
+        "    testq %rax, %rax\n"
+        "    je 2f\n"
+        "    jmp *%rax\n"
+        "2:  ret\n" /* no glibc dlsym: NULL */
+        ".size dlsym, .-dlsym\n");
+#elif defined(__aarch64__)
+__asm__(".text\n"
+        ".globl dlsym\n"
+        ".type dlsym, %function\n"
+        "dlsym:\n"
+        "    cmn x0, #1\n" /* RTLD_NEXT */
+        "    b.eq 1f\n"
+        "    b ms_dlsym_impl\n"
+        "1:  stp x29, x30, [sp, #-32]!\n"
+        "    mov x29, sp\n"
+        "    stp x0, x1, [sp, #16]\n"
+        "    bl ms_real_dlsym_for_asm\n"
+        "    mov x16, x0\n"
+        "    ldp x0, x1, [sp, #16]\n"
+        "    ldp x29, x30, [sp], #32\n"
+        "    cbz x16, 2f\n"
+        "    br x16\n"
+        "2:  mov x0, #0\n"
+        "    ret\n"
+        ".size dlsym, .-dlsym\n");
+#else
+#error "libmpsshim's dlsym override needs a tail-jump stub for this architecture (x86-64 and aarch64 exist)"
+#endif

@@ -46,11 +46,17 @@ def shim_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _build_fakes(out: Path, symbolic: bool) -> Path:
-    ld = ["-Wl,-Bsymbolic-functions"] if symbolic else []
-    _run(["cc", "-std=gnu11", "-O1", "-fPIC", "-shared", "-Wl,-soname,libcuda.so.1", *ld,
-          "-o", str(out / "libcuda.so.1"), str(FAKES / "fake_cuda.c"), "-lpthread"])
-    (out / "libcuda.so").symlink_to("libcuda.so.1")
+    """Build the fakes with their own Makefiles; `symbolic` adds -Bsymbolic-functions to the
+    fake libcuda's link (and checks it took: no relocation left for its own cuMemAlloc_v2)."""
+    ldflags = ["LDFLAGS=-shared -Wl,-Bsymbolic-functions"] if symbolic else []
+    _run(["make", "-s", "-C", str(FAKES), f"OUT_DIR={out}", *ldflags, "cuda"])
     _run(["make", "-s", "-f", str(FAKES / "nvml.mk"), f"OUT={out}", "fake-nvml"])
+    relocs = subprocess.run(["readelf", "-rW", str(out / "libcuda.so.1")], capture_output=True, text=True,
+                            check=True).stdout
+    bound_locally = not any(line.split()[-3:-2] == ["cuMemAlloc_v2"] or " cuMemAlloc_v2 " in line
+                            for line in relocs.splitlines())
+    if bound_locally != symbolic:
+        raise RuntimeError(f"fake libcuda in {out}: expected symbolic={symbolic}, relocations say otherwise")
     return out
 
 
@@ -68,9 +74,9 @@ def plain_fake_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def clients(tmp_path_factory: pytest.TempPathFactory, fake_dir: Path) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("clients")
     flags = ["cc", "-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}"]
-    _run([*flags, str(HERE / "cuclient.c"), "-o", str(out / "cuclient"), "-ldl"])
+    _run([*flags, str(HERE / "cuclient.c"), "-o", str(out / "cuclient"), "-ldl", "-lpthread"])
     _run([*flags, "-DLINKED", str(HERE / "cuclient.c"), "-o", str(out / "cuclient_link"),
-          f"-L{fake_dir}", "-lcuda", "-l:libnvidia-ml.so.1", "-ldl"])
+          f"-L{fake_dir}", "-lcuda", "-l:libnvidia-ml.so.1", "-ldl", "-lpthread"])
     return {"dlsym": out / "cuclient", "gpa": out / "cuclient", "gpa2": out / "cuclient",
             "link": out / "cuclient_link"}
 

@@ -13,12 +13,15 @@
  *   free (frees the newest live allocation with its matching free) | info | total D
  *   used D | calls NAME | where BASE
  *   usage D      (the region through the shim's exported mpsshim_usage: used and cap of D)
+ *   hammer T N SIZE CAP  (T threads, each with device 0 current, do N alloc+free pairs of SIZE;
+ *                prints how many were served, refused, and seen with the driver's usage above CAP)
  *   pause        (prints "pause rc=0", then waits for a line on stdin)
  *   nvmem IDX | nvmem2 IDX   (nvmlDeviceGetMemoryInfo / _v2 of the NVML device IDX, through
  *                             linked symbols in link mode, dlopen + dlsym otherwise)
  * No cuda.h: the few types are declared here. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -173,6 +176,44 @@ static void *probe(const char *name)
 }
 
 static void NOSYM(const char *cmd) { printf("%s rc=nosym\n", cmd); }
+
+struct hammer {
+    unsigned long n, size, cap;
+    unsigned long ok, refused, over, errors;
+};
+
+static void *hammer_thread(void *arg)
+{
+    struct hammer *h = arg;
+    CUresult (*retain)(CUcontext *, int) = (CUresult(*)(CUcontext *, int))get_setup("cuDevicePrimaryCtxRetain");
+    CUresult (*set)(CUcontext) = (CUresult(*)(CUcontext))get_setup("cuCtxSetCurrent");
+    CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))get("cuMemAlloc");
+    CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))get("cuMemFree");
+    unsigned long long (*used)(int) = (unsigned long long (*)(int))probe("fakecuda_used");
+    CUcontext c = NULL;
+    if (retain(&c, 0) != 0 || set(c) != 0) {
+        h->errors++;
+        return NULL;
+    }
+    for (unsigned long i = 0; i < h->n; i++) {
+        CUdeviceptr p = 0;
+        CUresult rc = alloc(&p, h->size);
+        if (rc == 2) {
+            h->refused++;
+            continue;
+        }
+        if (rc != 0) {
+            h->errors++;
+            continue;
+        }
+        h->ok++;
+        if (used(0) > h->cap)
+            h->over++;
+        if (release(p) != 0)
+            h->errors++;
+    }
+    return NULL;
+}
 
 int main(int argc, char **argv)
 {
@@ -374,6 +415,24 @@ int main(int argc, char **argv)
             int rc = usage ? usage(NULL, &snap, err, sizeof err) : -1;
             printf("usage rc=%d used=%llu cap=%llu\n", rc, rc == 0 ? (unsigned long long)snap.used[dev] : 0ULL,
                    rc == 0 ? (unsigned long long)snap.cap[dev] : 0ULL);
+        } else if (strcmp(cmd, "hammer") == 0) {
+            int t = atoi(argv[++i]);
+            struct hammer hs[64];
+            pthread_t th[64];
+            unsigned long n = strtoul(argv[++i], NULL, 0), size = strtoul(argv[++i], NULL, 0);
+            unsigned long cap = strtoul(argv[++i], NULL, 0);
+            if (t > 64)
+                t = 64;
+            for (int k = 0; k < t; k++) {
+                hs[k] = (struct hammer){n, size, cap, 0, 0, 0, 0};
+                pthread_create(&th[k], NULL, hammer_thread, &hs[k]);
+            }
+            unsigned long ok = 0, refused = 0, over = 0, errors = 0;
+            for (int k = 0; k < t; k++) {
+                pthread_join(th[k], NULL);
+                ok += hs[k].ok, refused += hs[k].refused, over += hs[k].over, errors += hs[k].errors;
+            }
+            printf("hammer rc=0 ok=%lu refused=%lu over=%lu errors=%lu\n", ok, refused, over, errors);
         } else if (strcmp(cmd, "pause") == 0) {
             char line[64];
             printf("pause rc=0\n");

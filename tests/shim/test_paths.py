@@ -244,3 +244,16 @@ def test_the_fake_as_its_makefile_builds_it_is_capped_too(shim: ShimEnv, plain_f
                  limit="0=1G")
     assert r.rcs("alloc") == [0, 2]
     assert r.of("calls")[0]["n"] == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_threads_racing_for_the_cap_never_pass_it_and_leave_nothing_charged(shim: ShimEnv, mode: str) -> None:
+    # 8 threads each wanting 256 MiB under a 1 GiB cap: at most 4 can hold memory at a time
+    r = shim.run(mode, ["init", "ctx", 0, "hammer", 8, 2000, 256 * M, G, "used", 0, "usage", 0, "info"],
+                 limit="0=1G", extra={"MPSSHIM_LOG": "0"})
+    h = r.of("hammer")[0]
+    assert (h["over"], h["errors"]) == (0, 0)
+    assert h["ok"] + h["refused"] == 8 * 2000 and h["ok"] > 0
+    assert r.of("used")[0]["bytes"] == 0
+    assert r.of("usage")[0]["used"] == 0
+    assert r.of("info")[0]["free"] == G
