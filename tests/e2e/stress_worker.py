@@ -1,5 +1,6 @@
 """Child process for the stress test: THREADS threads allocate and free random sizes through the
-driver (under the shim) for SECONDS, then free everything and print one JSON line:
+driver (under the shim) for SECONDS, mixing cuMemAlloc_v2, cuMemAllocAsync_ptsz and cuMemCreate
+with their frees, then free everything and print one JSON line:
 {"pid", "ops", "refused", "errors", "max_fake_used", "final_fake_used"}.
 
     python -m tests.e2e.stress_worker THREADS SECONDS MAX_BYTES SEED
@@ -12,6 +13,19 @@ import threading
 import time
 
 from tests.e2e.cudrv import OUT_OF_MEMORY, CudaError, Driver, c_void_p, emit
+
+
+KINDS = ("plain", "async", "vmm")
+ALLOC = {
+    "plain": lambda d, n: d.alloc(n),
+    "async": lambda d, n: d.alloc_async(n, ptsz=True),
+    "vmm": lambda d, n: d.mem_create(n, 0),
+}
+FREE = {
+    "plain": lambda d, p: d.free(p),
+    "async": lambda d, p: d.free_async(p, ptsz=True),
+    "vmm": lambda d, h: d.mem_release(h),
+}
 
 
 def main(threads: int, seconds: float, max_bytes: int, seed: int) -> None:
@@ -30,22 +44,24 @@ def main(threads: int, seconds: float, max_bytes: int, seed: int) -> None:
     def work(n: int) -> None:
         d.call("cuCtxSetCurrent", ctx)
         rng = random.Random(seed * 1000 + n)
-        held: list[int] = []
+        held: list[tuple[str, int]] = []
         ops = refused = peak = 0
         while time.monotonic() < deadline:
             if held and rng.random() < 0.45:
-                d.free(held.pop(rng.randrange(len(held))))
+                kind, key = held.pop(rng.randrange(len(held)))
+                FREE[kind](d, key)
             else:
+                kind = rng.choice(KINDS)
                 try:
-                    held.append(d.alloc(rng.randint(1, max_bytes)))
+                    held.append((kind, ALLOC[kind](d, rng.randint(1, max_bytes))))
                 except CudaError as exc:
                     if exc.code != OUT_OF_MEMORY:
                         errors.append(str(exc))
                     refused += 1
             ops += 1
             peak = max(peak, d.fake_used(0))
-        for p in held:
-            d.free(p)
+        for kind, key in held:
+            FREE[kind](d, key)
         with lock:
             totals["ops"] += ops
             totals["refused"] += refused
