@@ -158,16 +158,19 @@ MS_EXPORT_AS(cuGetProcAddress_v2)
  * ms_dlsym_impl (also by a tail jump, so its return address is the caller's too).
  * RTLD_NEXT lookups are never redirected: a caller before the shim gets the shim's hook from
  * glibc anyway, a caller after it (another interposer) asks for the real function. */
-MS_HIDDEN void *ms_dlsym_impl(void *handle, const char *name);
+MS_HIDDEN MS_NO_SANITIZE void *ms_dlsym_impl(void *handle, const char *name);
 
-MS_HIDDEN void *ms_dlsym_impl(void *handle, const char *name)
+/* Until the name is known to be "cu..." or "nvml..." nothing but glibc's dlsym is called. */
+MS_HIDDEN MS_NO_SANITIZE void *ms_dlsym_impl(void *handle, const char *name)
 {
     ms_dlsym_fn real = ms_real_dlsym();
     if (real == NULL)
         return NULL;
     const void *caller = __builtin_return_address(0);
     void *p = real(handle, name);
-    if (p == NULL || (name[0] != 'c' && name[0] != 'n'))
+    int cu = name[0] == 'c' && name[1] == 'u';
+    int nvml = name[0] == 'n' && name[1] == 'v' && name[2] == 'm' && name[3] == 'l';
+    if (p == NULL || !(cu || nvml))
         return p;
     ms_lib lib;
     void *hook = ms_hook_by_name(name, &lib);
@@ -181,8 +184,8 @@ MS_HIDDEN void *ms_dlsym_impl(void *handle, const char *name)
 }
 
 /* MS_HIDDEN functions called from the assembly below. */
-MS_HIDDEN ms_dlsym_fn ms_real_dlsym_for_asm(void);
-MS_HIDDEN ms_dlsym_fn ms_real_dlsym_for_asm(void) { return ms_real_dlsym(); }
+MS_HIDDEN MS_NO_SANITIZE ms_dlsym_fn ms_real_dlsym_for_asm(void);
+MS_HIDDEN MS_NO_SANITIZE ms_dlsym_fn ms_real_dlsym_for_asm(void) { return ms_real_dlsym(); }
 
 #if defined(__x86_64__)
 __asm__(".text\n"

@@ -9,7 +9,7 @@ static const char *const SONAMES[MS_LIB_COUNT] = {"libcuda.so.1", "libnvidia-ml.
 static void *g_handle[MS_LIB_COUNT];
 static ms_dlsym_fn g_dlsym;
 
-ms_dlsym_fn ms_real_dlsym(void)
+MS_NO_SANITIZE ms_dlsym_fn ms_real_dlsym(void)
 {
     ms_dlsym_fn fn = __atomic_load_n(&g_dlsym, __ATOMIC_ACQUIRE);
     if (fn != NULL)

@@ -9,8 +9,12 @@ typedef enum ms_lib { MS_LIB_CUDA = 0, MS_LIB_NVML = 1, MS_LIB_COUNT } ms_lib;
 
 typedef void *(*ms_dlsym_fn)(void *handle, const char *name);
 
+/* Code that runs inside dlsym(RTLD_NEXT) may run before a sanitizer runtime is initialised
+ * (it looks its interceptors up that way): keep it uninstrumented in sanitizer builds. */
+#define MS_NO_SANITIZE __attribute__((no_sanitize("address", "undefined", "thread")))
+
 /* glibc's dlsym (never NULL once found; NULL only if glibc offers none of the known versions). */
-ms_dlsym_fn ms_real_dlsym(void);
+MS_NO_SANITIZE ms_dlsym_fn ms_real_dlsym(void);
 
 /* The library's handle if it is loaded (NOLOAD; the shim keeps the reference it takes, so
  * a handle once seen stays valid), or, with load != 0, after loading it. NULL if neither. */
