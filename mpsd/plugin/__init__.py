@@ -208,9 +208,15 @@ class DevicePlugin:
     # -- internals -------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
+        last_error = ""
         while not self._stop.wait(self.poll_interval):
             try:
                 self.check()
+                last_error = ""
+            except PluginError as exc:  # e.g. the socket directory is gone: retried, logged once
+                if str(exc) != last_error:
+                    log.error("%s (retrying every %.1fs)", exc, self.poll_interval)
+                last_error = str(exc)
             except Exception:  # the watchdog must outlive any one failure
                 log.exception("device plugin watchdog round failed")
 

@@ -298,3 +298,44 @@ def test_missing_shim_is_a_one_line_error(env):
     plugin = env.plugin(gpus(80), shim_library=str(env.root / "nope.so"))
     with pytest.raises(PluginError, match=r"cannot read .*nope\.so"):
         plugin.start()
+
+
+def test_concurrent_allocates_are_all_recorded(started, env):
+    g = gpus(80, 80)
+    plugin = started(g, slices=10)
+    sets = [[f"{g[i // 10].uuid}::{i % 10}"] for i in range(20)]
+    errors: list[BaseException] = []
+
+    def one(ids: list[str]) -> None:
+        try:
+            _, s = stub(plugin)
+            allocate(s, ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(ids,)) for ids in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert sorted(a.device_ids for a in plugin.store.all()) == sorted(tuple(ids) for ids in sets)
+    from mpsd.plugin.state import StateStore
+
+    assert len(StateStore(str(env.state_path)).load()) == 20  # every one reached the disk
+
+
+def test_socket_directory_removed_and_restored(started, env, kubelet):
+    import shutil
+
+    plugin = started(gpus(80))
+    assert wait_for(lambda: plugin.registrations == 1)
+    kubelet.stop()
+    shutil.rmtree(env.kubelet_dir)  # the whole directory goes away for a moment
+    env.kubelet_dir.mkdir(exist_ok=True)  # the plugin may have re-created it already
+    new = FakeKubelet(kubelet.socket_path)
+    try:
+        assert new.registered.wait(10)
+        assert wait_for(lambda: os.path.exists(plugin.socket_path) and plugin.registrations == 2)
+    finally:
+        new.stop()
