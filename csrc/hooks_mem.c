@@ -152,7 +152,7 @@ typedef struct forget {
  * that gets the same address cannot be forgotten instead. */
 static void forget_begin(int kind, uint64_t key, forget *f)
 {
-    f->known = !ms_disabled() && ms_track_remove(kind, key, &f->dev, &f->bytes);
+    f->known = !ms_disabled() && ms_state_get()->limits.count > 0 && ms_track_remove(kind, key, &f->dev, &f->bytes);
 }
 
 static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)

@@ -15,6 +15,7 @@
  *   usage D      (the region through the shim's exported mpsshim_usage: used and cap of D)
  *   hammer T N SIZE CAP  (T threads, each with device 0 current, do N alloc+free pairs of SIZE;
  *                prints how many were served, refused, and seen with the driver's usage above CAP)
+ *   bench N SIZE (N alloc+free pairs of SIZE on this thread; prints nanoseconds per pair)
  *   pause        (prints "pause rc=0", then waits for a line on stdin)
  *   nvmem IDX | nvmem2 IDX   (nvmlDeviceGetMemoryInfo / _v2 of the NVML device IDX, through
  *                             linked symbols in link mode, dlopen + dlsym otherwise)
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "region.h" /* ms_snapshot, for the usage command (csrc/ is on the include path) */
 
@@ -433,6 +435,20 @@ int main(int argc, char **argv)
                 ok += hs[k].ok, refused += hs[k].refused, over += hs[k].over, errors += hs[k].errors;
             }
             printf("hammer rc=0 ok=%lu refused=%lu over=%lu errors=%lu\n", ok, refused, over, errors);
+        } else if (strcmp(cmd, "bench") == 0) {
+            unsigned long n = strtoul(argv[++i], NULL, 0), size = strtoul(argv[++i], NULL, 0), bad = 0;
+            CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))get("cuMemAlloc");
+            CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))get("cuMemFree");
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            for (unsigned long k = 0; k < n; k++) {
+                CUdeviceptr p = 0;
+                bad += alloc(&p, size) != 0;
+                bad += release(p) != 0;
+            }
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            double ns = ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / (double)n;
+            printf("bench rc=%d ns_per_pair=%.1f\n", bad ? 1 : 0, ns);
         } else if (strcmp(cmd, "pause") == 0) {
             char line[64];
             printf("pause rc=0\n");
