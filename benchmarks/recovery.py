@@ -59,11 +59,20 @@ def main() -> int:
 
         binary = str(ensure_mps_control())
     base = Path(tempfile.mkdtemp(prefix="mpsd-bench-"))
-    config = cfg.load(None, {}, {
-        "control-binary": binary, "pipe-dir": str(base / "pipe"), "log-dir": str(base / "log"),
-        "active-thread-percentage": "50", "pinned-mem-limit": "0=2G,1=1044M", "client-priority": "1",
-        "health-interval": args.health_interval, "metrics-address": "",
-    })
+    config = cfg.load(
+        None,
+        {},
+        {
+            "control-binary": binary,
+            "pipe-dir": str(base / "pipe"),
+            "log-dir": str(base / "log"),
+            "active-thread-percentage": "50",
+            "pinned-mem-limit": "0=2G,1=1044M",
+            "client-priority": "1",
+            "health-interval": args.health_interval,
+            "metrics-address": "",
+        },
+    )
     board = HealthBoard()
     sup = Supervisor(config, board)
     thread = threading.Thread(target=sup.run, daemon=True)
@@ -94,9 +103,11 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     times.sort()
     p90 = times[max(0, int(len(times) * 0.9) - 1)]
-    print(f"kills={len(times)} restarts={sup.status().restarts} kill->verified-healthy: "
-          f"median={statistics.median(times) * 1000:.0f}ms p90={p90 * 1000:.0f}ms worst={times[-1] * 1000:.0f}ms "
-          f"best={times[0] * 1000:.0f}ms")
+    print(
+        f"kills={len(times)} restarts={sup.status().restarts} kill->verified-healthy: "
+        f"median={statistics.median(times) * 1000:.0f}ms p90={p90 * 1000:.0f}ms worst={times[-1] * 1000:.0f}ms "
+        f"best={times[0] * 1000:.0f}ms"
+    )
     return 0
 
 

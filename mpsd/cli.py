@@ -57,10 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print the resolved config as JSON")
     ex = sub.add_parser("exec", help="run one MPS client with its limits, pipe dir and the shim preloaded")
     _add_config_flags(ex)
-    ex.add_argument("--gpu-memory", default=None, metavar="SIZE",
-                    help='memory cap: "4G" for device 0, or MPS syntax "0=4G,1=2G"')
+    ex.add_argument(
+        "--gpu-memory", default=None, metavar="SIZE", help='memory cap: "4G" for device 0, or MPS syntax "0=4G,1=2G"'
+    )
     ex.add_argument("--gpu-compute", default=None, metavar="PERCENT", help="active thread percentage (0, 100]")
-    ex.add_argument("--region", default=None, metavar="PATH", help="accounting region file shared by the processes of one slice")
+    ex.add_argument(
+        "--region", default=None, metavar="PATH", help="accounting region file shared by the processes of one slice"
+    )
     ex.add_argument("--no-shim", action="store_true", help="do not preload libmpsshim.so (MPS limits only)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     return parser
@@ -130,7 +133,9 @@ def _shim_path(config: cfg.Config) -> str:
 
         return str(shim.library_path())
     except Exception as exc:  # ShimNotFound or an import problem: one line either way
-        raise MpsdError(f"cannot find libmpsshim.so: {exc}; build it (pip install -e .) or pass --shim-library, or use --no-shim") from exc
+        raise MpsdError(
+            f"cannot find libmpsshim.so: {exc}; build it (pip install -e .) or pass --shim-library, or use --no-shim"
+        ) from exc
 
 
 def _region_dir(config: cfg.Config) -> str:
@@ -160,8 +165,15 @@ def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) 
         made_region = _region_dir(config)
         region = os.path.join(made_region, "region")
     child_env = dict(env)
-    child_env.update(client_env(pipe_dir=config.pipe_dir, active_thread_percentage=percent,
-                                memory_limits=limits, shim_library=shim_library, region_path=region))
+    child_env.update(
+        client_env(
+            pipe_dir=config.pipe_dir,
+            active_thread_percentage=percent,
+            memory_limits=limits,
+            shim_library=shim_library,
+            region_path=region,
+        )
+    )
     if shim_library and env.get("LD_PRELOAD"):
         child_env["LD_PRELOAD"] = f"{shim_library}:{env['LD_PRELOAD']}"
     log.debug("exec cmd=%s env=%s", cmd, {k: child_env[k] for k in child_env if k not in env or env[k] != child_env[k]})

@@ -14,7 +14,12 @@ from .errors import SetupError
 
 log = logging.getLogger(__name__)
 
-MODES = {"default": "DEFAULT", "exclusive_process": "EXCLUSIVE_PROCESS", "prohibited": "PROHIBITED", "exclusive_thread": "EXCLUSIVE_THREAD"}
+MODES = {
+    "default": "DEFAULT",
+    "exclusive_process": "EXCLUSIVE_PROCESS",
+    "prohibited": "PROHIBITED",
+    "exclusive_thread": "EXCLUSIVE_THREAD",
+}
 
 
 def parse_modes(output: str) -> dict[str, str]:

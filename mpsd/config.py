@@ -22,7 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 IPC_MODES = ("hostIPC", "tmpfs")
 
 
-# ---------------------------------------------------------------- value parsers (raise ValueError with the accepted form)
+# ------------------------------------------------ value parsers (raise ValueError with the accepted form)
 
 
 def _text(value: Any) -> str:
@@ -110,7 +110,9 @@ def _visible_devices(value: Any) -> str | None:
         value = str(value)
     if isinstance(value, list):
         value = ",".join(str(v) for v in value)
-    if not isinstance(value, str) or not re.fullmatch(r"(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)(?:,(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+))*", value):
+    if not isinstance(value, str) or not re.fullmatch(
+        r"(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)(?:,(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+))*", value
+    ):
         raise ValueError('a comma-separated list of GPU indices or UUIDs such as "0,1" or "GPU-..."')
     return value
 
@@ -161,36 +163,67 @@ class Setting:
         return self.parse is _bool
 
 
+# fmt: off
 SETTINGS: tuple[Setting, ...] = (
-    Setting("controlBinary", "control-binary", _path, "nvidia-cuda-mps-control", "MPS control binary: a name on PATH or an absolute path"),
-    Setting("pipeDir", "pipe-dir", _path, "/tmp/nvidia-mps", "CUDA_MPS_PIPE_DIRECTORY of the daemon and its clients"),
-    Setting("logDir", "log-dir", _path, "/var/log/nvidia-mps", "CUDA_MPS_LOG_DIRECTORY: control.log and server.log"),
-    Setting("visibleDevices", "visible-devices", _visible_devices, None, 'the daemon\'s CUDA_VISIBLE_DEVICES ("0,1" or UUIDs); empty = all GPUs'),
-    Setting("activeThreadPercentage", "active-thread-percentage", _percentage, 100, "default active thread percentage of new servers, (0, 100]"),
-    Setting("pinnedMemLimit", "pinned-mem-limit", _limits, "", 'default pinned device memory limit per client, by device index: "0=20G,1=10G"'),
-    Setting("clientPriority", "client-priority", _priority, None, "default client priority: 0 (normal) or 1 (below normal); empty = driver default"),
-    Setting("exclusiveProcess", "exclusive-process", _bool, False, "set EXCLUSIVE_PROCESS compute mode on managed GPUs, restore it on exit"),
-    Setting("nvidiaSmi", "nvidia-smi", _path, "nvidia-smi", "nvidia-smi used to change the compute mode"),
-    Setting("healthInterval", "health-interval", _positive_duration, "5s", "time between health checks of the daemon"),
-    Setting("healthTimeout", "health-timeout", _positive_duration, "3s", "a control command without answer in this time means the daemon hangs"),
-    Setting("restartBackoffInitial", "restart-backoff-initial", _duration, "0.2s", "wait before the first restart; doubles with every failure in a row"),
-    Setting("restartBackoffMax", "restart-backoff-max", _duration, "30s", "longest wait between restarts"),
-    Setting("shutdownTimeout", "shutdown-timeout", _positive_duration, "10s", "on SIGTERM: quit -t this long, then kill"),
-    Setting("metricsAddress", "metrics-address", _address, "0.0.0.0:9400", 'host:port of /metrics, /healthz, /readyz; "" disables'),
-    Setting("stateDir", "state-dir", _path, "/var/lib/mpsd", "mpsd's own state (per-exec accounting regions)"),
-    Setting("shimLibrary", "shim-library", _optional_path, None, "libmpsshim.so preloaded into clients; empty = the one in the shim package"),
-    Setting("nvmlLibrary", "nvml-library", _optional_path, None, "libnvidia-ml.so.1 to load; empty = pynvml's search"),
-    Setting("logLevel", "log-level", _log_level, "info", "debug | info | warning | error"),
-    Setting("devicePlugin.enabled", "device-plugin", _bool, False, "serve the kubelet device plugin"),
-    Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu", "extended resource name advertised to the kubelet"),
-    Setting("devicePlugin.slicesPerGpu", "slices-per-gpu", _int_range(1, 100), 10, "slices advertised per GPU, 1..100"),
-    Setting("devicePlugin.kubeletDir", "kubelet-dir", _path, "/var/lib/kubelet/device-plugins", "kubelet device-plugin socket directory"),
-    Setting("devicePlugin.podResourcesSocket", "pod-resources-socket", _path, "/var/lib/kubelet/pod-resources/kubelet.sock", "kubelet pod-resources socket"),
-    Setting("devicePlugin.regionDir", "region-dir", _path, "/var/lib/mpsd/regions", "host directory with one accounting region per allocation"),
-    Setting("devicePlugin.shimHostDir", "shim-host-dir", _path, "/var/lib/mpsd/lib", "host directory where libmpsshim.so is installed for pods"),
-    Setting("devicePlugin.ipcMode", "ipc-mode", _choice(IPC_MODES), "hostIPC", "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
-    Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm", "tmpfs mode: host tmpfs mounted as /dev/shm in daemon and pods"),
+    Setting("controlBinary", "control-binary", _path, "nvidia-cuda-mps-control",
+            "MPS control binary: a name on PATH or an absolute path"),
+    Setting("pipeDir", "pipe-dir", _path, "/tmp/nvidia-mps",
+            "CUDA_MPS_PIPE_DIRECTORY of the daemon and its clients"),
+    Setting("logDir", "log-dir", _path, "/var/log/nvidia-mps",
+            "CUDA_MPS_LOG_DIRECTORY: control.log and server.log"),
+    Setting("visibleDevices", "visible-devices", _visible_devices, None,
+            "the daemon's CUDA_VISIBLE_DEVICES (\"0,1\" or UUIDs); empty = all GPUs"),
+    Setting("activeThreadPercentage", "active-thread-percentage", _percentage, 100,
+            "default active thread percentage of new servers, (0, 100]"),
+    Setting("pinnedMemLimit", "pinned-mem-limit", _limits, "",
+            'default pinned device memory limit per client, by device index: "0=20G,1=10G"'),
+    Setting("clientPriority", "client-priority", _priority, None,
+            "default client priority: 0 (normal) or 1 (below normal); empty = driver default"),
+    Setting("exclusiveProcess", "exclusive-process", _bool, False,
+            "set EXCLUSIVE_PROCESS compute mode on managed GPUs, restore it on exit"),
+    Setting("nvidiaSmi", "nvidia-smi", _path, "nvidia-smi",
+            "nvidia-smi used to change the compute mode"),
+    Setting("healthInterval", "health-interval", _positive_duration, "5s",
+            "time between health checks of the daemon"),
+    Setting("healthTimeout", "health-timeout", _positive_duration, "3s",
+            "a control command without answer in this time means the daemon hangs"),
+    Setting("restartBackoffInitial", "restart-backoff-initial", _duration, "0.2s",
+            "wait before the first restart; doubles with every failure in a row"),
+    Setting("restartBackoffMax", "restart-backoff-max", _duration, "30s",
+            "longest wait between restarts"),
+    Setting("shutdownTimeout", "shutdown-timeout", _positive_duration, "10s",
+            "on SIGTERM: quit -t this long, then kill"),
+    Setting("metricsAddress", "metrics-address", _address, "0.0.0.0:9400",
+            'host:port of /metrics, /healthz, /readyz; "" disables'),
+    Setting("stateDir", "state-dir", _path, "/var/lib/mpsd",
+            "mpsd's own state (per-exec accounting regions)"),
+    Setting("shimLibrary", "shim-library", _optional_path, None,
+            "libmpsshim.so preloaded into clients; empty = the one in the shim package"),
+    Setting("nvmlLibrary", "nvml-library", _optional_path, None,
+            "libnvidia-ml.so.1 to load; empty = pynvml's search"),
+    Setting("logLevel", "log-level", _log_level, "info",
+            "debug | info | warning | error"),
+    Setting("devicePlugin.enabled", "device-plugin", _bool, False,
+            "serve the kubelet device plugin"),
+    Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu",
+            "extended resource name advertised to the kubelet"),
+    Setting("devicePlugin.slicesPerGpu", "slices-per-gpu", _int_range(1, 100), 10,
+            "slices advertised per GPU, 1..100"),
+    Setting("devicePlugin.kubeletDir", "kubelet-dir", _path, "/var/lib/kubelet/device-plugins",
+            "kubelet device-plugin socket directory"),
+    Setting("devicePlugin.podResourcesSocket", "pod-resources-socket", _path,
+            "/var/lib/kubelet/pod-resources/kubelet.sock",
+            "kubelet pod-resources socket"),
+    Setting("devicePlugin.regionDir", "region-dir", _path, "/var/lib/mpsd/regions",
+            "host directory with one accounting region per allocation"),
+    Setting("devicePlugin.shimHostDir", "shim-host-dir", _path, "/var/lib/mpsd/lib",
+            "host directory where libmpsshim.so is installed for pods"),
+    Setting("devicePlugin.ipcMode", "ipc-mode", _choice(IPC_MODES), "hostIPC",
+            "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
+    Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm",
+            "tmpfs mode: host tmpfs mounted as /dev/shm in daemon and pods"),
 )
+# fmt: on
 BY_KEY = {s.key: s for s in SETTINGS}
 BY_FLAG = {s.flag: s for s in SETTINGS}
 
@@ -321,7 +354,9 @@ def _flatten(path: str, data: dict, prefix: str, out: dict[str, Any]) -> None:
         elif isinstance(value, dict) and any(k.startswith(key + ".") for k in BY_KEY):
             _flatten(path, value, key + ".", out)
         else:
-            known = sorted({k.split(".")[0] if not prefix else k[len(prefix):] for k in BY_KEY if k.startswith(prefix)})
+            known = sorted(
+                {k.split(".")[0] if not prefix else k[len(prefix) :] for k in BY_KEY if k.startswith(prefix)}
+            )
             raise ConfigError(f"{path}: {key}: unknown key; known keys here: {', '.join(known)}")
 
 

@@ -197,7 +197,9 @@ class Control:
         except OSError as exc:
             raise ControlError(f"cannot run control binary {self.binary!r}: {exc.strerror}") from exc
         out = proc.stdout + proc.stderr
-        log.debug("control command=%r rc=%d seconds=%.3f output=%r", command, proc.returncode, time.monotonic() - start, out)
+        log.debug(
+            "control command=%r rc=%d seconds=%.3f output=%r", command, proc.returncode, time.monotonic() - start, out
+        )
         if proc.returncode != 0:
             text = " ".join(_lines(out)) or f"exit status {proc.returncode}"
             if any(marker in out for marker in NOT_RUNNING):
@@ -315,6 +317,8 @@ def limit_early_servers(control: Control, config: "Config") -> list[int]:
         except CommandRejected as exc:
             log.info("server gone before its settings were applied server=%d error=%s", server, exc)
             continue
-        log.warning("server started before the defaults were applied server=%d: settings applied to it for new clients", server)
+        log.warning(
+            "server started before the defaults were applied server=%d: settings applied to it for new clients", server
+        )
         touched.append(server)
     return touched

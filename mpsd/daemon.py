@@ -1,25 +1,110 @@
-"""Wiring for ``mpsd run`` (supervisor + NVML inventory + metrics/probes + device plugin) and
-``mpsd status`` (what a running node looks like, from the pipe dir and NVML)."""
+"""The ``nvidia-cuda-mps-control -f`` child process; the wiring of ``mpsd run`` (supervisor +
+NVML inventory + metrics/probes + device plugin) and ``mpsd status`` (what a running node
+looks like, from the pipe dir and NVML)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import config as cfg
 from .control import Control, PsEntry
-from .errors import ControlError, DaemonNotRunning, InventoryError, MpsdError, PluginError
+from .errors import ControlError, DaemonNotRunning, InventoryError, MpsdError, PluginError, SetupError
 from .health import HealthBoard
-from .supervisor import Status, Supervisor
 from .units import format_size
+
+if TYPE_CHECKING:
+    from .supervisor import Status
 
 log = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+class DaemonProcess:
+    """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log."""
+
+    def __init__(self, config: cfg.Config, on_exit: Callable[["DaemonProcess", int], None]) -> None:
+        env = dict(os.environ)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
+        env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        for name in (
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+            "CUDA_MPS_CLIENT_PRIORITY",
+        ):
+            env.pop(name, None)  # mpsd's own environment must not change the daemon's defaults
+        if config.visible_devices:
+            env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
+        try:
+            self.proc = subprocess.Popen(
+                [config.control_binary, "-f"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc
+        self.pid = self.proc.pid
+        self.started = time.monotonic()
+        self.returncode: int | None = None
+        self._log_path = os.path.join(config.log_dir, "control.log")
+        threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
+        threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
+        log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            out = open(self._log_path, "ab")
+        except OSError as exc:
+            log.warning("cannot write daemon log path=%s error=%s", self._log_path, exc.strerror)
+            out = None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                text = line.decode(errors="replace").rstrip()
+                level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
+                log.log(level, "daemon pid=%d says %s", self.pid, text)
+        if out is not None:
+            out.close()
+
+    def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:
+        self.returncode = self.proc.wait()
+        on_exit(self, self.returncode)
+
+    def alive(self) -> bool:
+        return self.returncode is None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the daemon and everything in its session (its servers)."""
+        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
+            try:
+                target()
+            except ProcessLookupError:
+                pass
+            except PermissionError as exc:
+                log.error("cannot kill daemon pid=%d error=%s", self.pid, exc)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
 
 
 def _open_inventory(config: cfg.Config):
@@ -73,6 +158,8 @@ def _observer(metrics, inventory, gpus: Callable[[], list], board: HealthBoard) 
 
 def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start."""
+    from .supervisor import Supervisor  # it imports DaemonProcess from here
+
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger().setLevel(config.log_level.upper())
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
@@ -85,7 +172,9 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
 
         metrics = Metrics()
     supervisor = Supervisor(
-        config, board, reload=reload,
+        config,
+        board,
+        reload=reload,
         gpu_indices=lambda: [g.index for g in gpus()],
         on_status=_observer(metrics, inventory, gpus, board),
     )
@@ -114,7 +203,9 @@ def _ready(board: HealthBoard) -> tuple[bool, str]:
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
 
 
-def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> threading.Thread | None:
+def _start_plugin(
+    config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event
+) -> threading.Thread | None:
     try:
         from .plugin import run_plugin
     except ImportError as exc:
@@ -132,8 +223,16 @@ def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: t
 
     def serve() -> None:
         try:
-            run_plugin(config, pipe_dir=config.pipe_dir, gpus=gpus(), board=board, metrics=metrics,
-                       shim_library=shim_library, stop=stop, state_dir=config.state_dir)
+            run_plugin(
+                config,
+                pipe_dir=config.pipe_dir,
+                gpus=gpus(),
+                board=board,
+                metrics=metrics,
+                shim_library=shim_library,
+                stop=stop,
+                state_dir=config.state_dir,
+            )
         except (PluginError, MpsdError) as exc:
             log.error("device plugin stopped: %s", exc)
             board.update(last_error=f"device plugin stopped: {exc}")
@@ -149,7 +248,15 @@ def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: t
 def collect_status(config: cfg.Config, control: Control | None = None, inventory=None) -> dict[str, Any]:
     """The node as seen through the control front-end and NVML; plain data for JSON."""
     control = control or Control(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout)
-    out: dict[str, Any] = {"pipeDir": config.pipe_dir, "daemon": "down", "error": "", "settings": {}, "servers": [], "gpus": [], "clients": []}
+    out: dict[str, Any] = {
+        "pipeDir": config.pipe_dir,
+        "daemon": "down",
+        "error": "",
+        "settings": {},
+        "servers": [],
+        "gpus": [],
+        "clients": [],
+    }
     try:
         out["settings"]["activeThreadPercentage"] = control.get_default_active_thread_percentage()
         out["daemon"] = "up"
@@ -186,13 +293,24 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
 
 
 def render_status(data: dict[str, Any]) -> str:
-    lines = [f"daemon: {data['daemon']}  pipe dir: {data['pipeDir']}" + (f"  error: {data['error']}" if data["error"] else "")]
+    lines = [
+        f"daemon: {data['daemon']}  pipe dir: {data['pipeDir']}"
+        + (f"  error: {data['error']}" if data["error"] else "")
+    ]
     s = data["settings"]
     if s:
-        limits = ",".join(f"{d}={'unset' if v is None else format_size(v)}" for d, v in s.get("pinnedMemLimit", {}).items()) or "none"
-        lines.append(f"defaults: active threads {s.get('activeThreadPercentage')}%  pinned limit {limits}  client priority {s.get('clientPriority')}")
+        limits = (
+            ",".join(f"{d}={'unset' if v is None else format_size(v)}" for d, v in s.get("pinnedMemLimit", {}).items())
+            or "none"
+        )
+        lines.append(
+            f"defaults: active threads {s.get('activeThreadPercentage')}%  pinned limit {limits}  "
+            f"client priority {s.get('clientPriority')}"
+        )
     for g in data["gpus"]:
-        lines.append(f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB")
+        lines.append(
+            f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB"
+        )
     lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
     lines.append(f"{'PID':>8} {'SERVER':>8} {'DEVICE':<24} {'MEMORY':>10}  COMMAND")
     for c in data["clients"]:

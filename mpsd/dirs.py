@@ -35,7 +35,10 @@ def prepare(pipe_dir: str, log_dir: str) -> None:
     ensure_dir(pipe, 0o755)
     ensure_dir(Path(log_dir), 0o755)
     if daemon_holds_lock(pipe):
-        raise SetupError(f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control holds {pipe / 'control_lock'}; stop it or choose another pipeDir")
+        raise SetupError(
+            f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control holds {pipe / 'control_lock'}; "
+            "stop it or choose another pipeDir"
+        )
     remove_stale(pipe)
 
 
@@ -71,7 +74,8 @@ def make_traversable(path: Path) -> None:
         except OSError as exc:
             raise SetupError(
                 f"{component} (mode {current:o}) is not traversable by other users and cannot be changed "
-                f"({exc.strerror}); clients of other UIDs could not reach the pipe dir: chmod o+x it or choose another path"
+                f"({exc.strerror}); clients of other UIDs could not reach the pipe dir: "
+                "chmod o+x it or choose another path"
             ) from exc
         log.warning("made traversable path=%s old_mode=%o new_mode=%o", component, current, current | TRAVERSE)
 

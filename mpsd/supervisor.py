@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import queue
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -27,16 +25,26 @@ from . import dirs
 from .computemode import ComputeMode
 from .config import BY_KEY, Config, changed_keys
 from .control import CommandRejected, ConfigureError, Control, UnknownCommand, apply_defaults, limit_early_servers
+from .daemon import DaemonProcess
 from .errors import ConfigError, ControlError, ControlTimeout, SetupError
 from .health import HealthBoard
 from .units import format_limits
 
 log = logging.getLogger(__name__)
 
-LIVE_KEYS = frozenset({
-    "activeThreadPercentage", "pinnedMemLimit", "clientPriority", "healthInterval", "healthTimeout",
-    "restartBackoffInitial", "restartBackoffMax", "shutdownTimeout", "logLevel",
-})
+LIVE_KEYS = frozenset(
+    {
+        "activeThreadPercentage",
+        "pinnedMemLimit",
+        "clientPriority",
+        "healthInterval",
+        "healthTimeout",
+        "restartBackoffInitial",
+        "restartBackoffMax",
+        "shutdownTimeout",
+        "logLevel",
+    }
+)
 READY_POLL = 0.02
 
 
@@ -61,76 +69,6 @@ def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float
     return min(maximum, initial * 2 ** max(failures_in_row - 1, 0))
 
 
-class DaemonProcess:
-    """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log."""
-
-    def __init__(self, config: Config, on_exit: Callable[["DaemonProcess", int], None]) -> None:
-        env = dict(os.environ)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
-        env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        for name in ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY"):
-            env.pop(name, None)  # mpsd's own environment must not change the daemon's defaults
-        if config.visible_devices:
-            env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
-        try:
-            self.proc = subprocess.Popen(
-                [config.control_binary, "-f"], env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        except OSError as exc:
-            raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc
-        self.pid = self.proc.pid
-        self.started = time.monotonic()
-        self.returncode: int | None = None
-        self._log_path = os.path.join(config.log_dir, "control.log")
-        threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
-        threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
-        log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        try:
-            out = open(self._log_path, "ab")
-        except OSError as exc:
-            log.warning("cannot write daemon log path=%s error=%s", self._log_path, exc.strerror)
-            out = None
-        with self.proc.stdout:
-            for line in self.proc.stdout:
-                if out is not None:
-                    out.write(line)
-                    out.flush()
-                text = line.decode(errors="replace").rstrip()
-                level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
-                log.log(level, "daemon pid=%d says %s", self.pid, text)
-        if out is not None:
-            out.close()
-
-    def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:
-        self.returncode = self.proc.wait()
-        on_exit(self, self.returncode)
-
-    def alive(self) -> bool:
-        return self.returncode is None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the daemon and everything in its session (its servers)."""
-        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
-            try:
-                target()
-            except ProcessLookupError:
-                pass
-            except PermissionError as exc:
-                log.error("cannot kill daemon pid=%d error=%s", self.pid, exc)
-
-    def wait(self, timeout: float) -> bool:
-        try:
-            self.proc.wait(timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
-
 class Supervisor:
     def __init__(
         self,
@@ -152,7 +90,9 @@ class Supervisor:
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
         self._supports_status: bool | None = None
-        self._compute = ComputeMode(config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None)
+        self._compute = ComputeMode(
+            config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
+        )
         self.loop_alive = threading.Event()
 
     # ---- thread-safe entry points
@@ -253,9 +193,13 @@ class Supervisor:
         self.board.update(daemon_up=True, configured=True, last_error="")
         self._publish(state="running", pid=self._daemon.pid, last_error="")
         self._next_at = time.monotonic() + self.config.health_interval
-        log.info("daemon configured pid=%d active_thread_percentage=%g pinned_mem_limit=%s client_priority=%s",
-                 self._daemon.pid, self.config.active_thread_percentage,
-                 format_limits(self.config.pinned_mem_limit) or "none", self.config.client_priority)
+        log.info(
+            "daemon configured pid=%d active_thread_percentage=%g pinned_mem_limit=%s client_priority=%s",
+            self._daemon.pid,
+            self.config.active_thread_percentage,
+            format_limits(self.config.pinned_mem_limit) or "none",
+            self.config.client_priority,
+        )
 
     def _wait_listening(self, daemon: DaemonProcess) -> None:
         deadline = time.monotonic() + self.config.health_timeout
@@ -292,7 +236,9 @@ class Supervisor:
         else:
             log.warning("%s; restarting in %.1fs", message, delay)
         self.board.update(daemon_up=False, configured=False, last_error=message)
-        self._publish(state="backoff", pid=None, failures_in_row=failures, last_error=message, servers=(), server_states={})
+        self._publish(
+            state="backoff", pid=None, failures_in_row=failures, last_error=message, servers=(), server_states={}
+        )
         self._next_at = time.monotonic() + delay
 
     # ---- health
@@ -315,13 +261,23 @@ class Supervisor:
         latency = time.monotonic() - began
         faulted = [pid for pid, state in states.items() if state == "FAULT"]
         gpus = frozenset(self._gpu_indices()) if faulted else frozenset()
-        error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit" if faulted else ""
+        error = (
+            f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit"
+            if faulted
+            else ""
+        )
         if faulted:
             log.error("%s gpus=%s", error, sorted(gpus))
         self.board.update(faulted_gpus=gpus, last_error=error)
-        self._publish(state="running", failures_in_row=0, health_latency=latency, health_checks=self.status().health_checks + 1,
-                      servers=tuple(servers),
-                      server_states=states, last_error=error)
+        self._publish(
+            state="running",
+            failures_in_row=0,
+            health_latency=latency,
+            health_checks=self.status().health_checks + 1,
+            servers=tuple(servers),
+            server_states=states,
+            last_error=error,
+        )
         self._next_at = time.monotonic() + self.config.health_interval
 
     def _server_states(self, control: Control, servers: list[int]) -> dict[int, str]:

@@ -43,8 +43,7 @@ def parse_debian_source(text: str) -> tuple[str, str] | None:
     # deb822 stanzas: "URIs: ..." and "Suites: ..."
     for stanza in re.split(r"\n\s*\n", text):
         fields = dict(
-            (m.group(1).lower(), m.group(2).split())
-            for m in re.finditer(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.M)
+            (m.group(1).lower(), m.group(2).split()) for m in re.finditer(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.M)
         )
         uris, suites = fields.get("uris", []), fields.get("suites", [])
         for uri in uris:

@@ -78,7 +78,9 @@ class Running:
         while not predicate(state):
             left = deadline - time.monotonic()
             if left <= 0 or (self.result and not self.thread.is_alive()):
-                raise AssertionError(f"timed out waiting for {what}: state={state} status={self.sup.status()} result={self.result}")
+                raise AssertionError(
+                    f"timed out waiting for {what}: state={state} status={self.sup.status()} result={self.result}"
+                )
             state = self.board.wait_change(state.generation, min(left, 0.5))
         return state
 

@@ -20,8 +20,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def mpsd(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpsd", *args], capture_output=True, text=True,
-                          env=dict(os.environ, **(env or {})), cwd=REPO, timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "mpsd", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **(env or {})),
+        cwd=REPO,
+        timeout=120,
+        **kw,
+    )
 
 
 def free_port() -> int:
@@ -40,9 +47,15 @@ def get(url: str) -> tuple[int, str]:
 
 def flags(mps_control, mps_dirs, **extra) -> list[str]:
     pipe, logs = mps_dirs
-    values = {"control-binary": str(mps_control), "pipe-dir": str(pipe), "log-dir": str(logs),
-              "state-dir": str(pipe.parent / "state"), "metrics-address": "", "health-interval": "0.5s",
-              "nvml-library": str(pipe.parent / "no-nvml.so")}
+    values = {
+        "control-binary": str(mps_control),
+        "pipe-dir": str(pipe),
+        "log-dir": str(logs),
+        "state-dir": str(pipe.parent / "state"),
+        "metrics-address": "",
+        "health-interval": "0.5s",
+        "nvml-library": str(pipe.parent / "no-nvml.so"),
+    }
     values.update(extra)
     return [f"--{k}={v}" for k, v in values.items()]
 
@@ -51,8 +64,13 @@ def flags(mps_control, mps_dirs, **extra) -> list[str]:
 def test_run_serves_probes_and_sigterm_exits_0_leaving_no_daemon(mps_control, mps_dirs):
     port = free_port()
     args = flags(mps_control, mps_dirs, **{"metrics-address": f"127.0.0.1:{port}", "active-thread-percentage": "45"})
-    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsd", "run", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -102,8 +120,17 @@ def test_status_without_daemon_exits_1(mps_control, mps_dirs):
 
 def test_exec_sets_the_client_environment(tmp_path):
     state = tmp_path / "state"
-    result = mpsd("exec", "--pipe-dir=/run/mps/pipe", f"--state-dir={state}", "--gpu-memory", "4G",
-                  "--gpu-compute", "25", "--", "env")
+    result = mpsd(
+        "exec",
+        "--pipe-dir=/run/mps/pipe",
+        f"--state-dir={state}",
+        "--gpu-memory",
+        "4G",
+        "--gpu-compute",
+        "25",
+        "--",
+        "env",
+    )
     assert result.returncode == 0, result.stderr
     env = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/mps/pipe"
@@ -119,7 +146,9 @@ def test_exec_sets_the_client_environment(tmp_path):
 
 def test_exec_with_region_and_limits_by_device(tmp_path):
     region = tmp_path / "slice" / "region"
-    result = mpsd("exec", "--region", str(region), "--gpu-memory", "0=1G,1=512M", f"--state-dir={tmp_path}", "--", "env")
+    result = mpsd(
+        "exec", "--region", str(region), "--gpu-memory", "0=1G,1=512M", f"--state-dir={tmp_path}", "--", "env"
+    )
     env = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1G,1=512M"
     assert env["MPSSHIM_REGION"] == str(region)
@@ -138,8 +167,16 @@ def test_exec_without_shim_and_exit_code(tmp_path):
         (["exec", "--gpu-memory", "4Q", "--", "true"], {}, "--gpu-memory: bad size '4Q'"),
         (["exec", "--gpu-compute", "120", "--", "true"], {}, "--gpu-compute: bad active thread percentage"),
         (["exec", "--no-shim"], {}, "exec: expected a command after --"),
-        (["run", "--slices-per-gpu", "ten"], {}, 'flag --slices-per-gpu: devicePlugin.slicesPerGpu: expected an integer 1..100, got "ten"'),
-        (["status"], {"MPSD_HEALTH_TIMEOUT": "later"}, "environment MPSD_HEALTH_TIMEOUT: healthTimeout: expected a duration"),
+        (
+            ["run", "--slices-per-gpu", "ten"],
+            {},
+            'flag --slices-per-gpu: devicePlugin.slicesPerGpu: expected an integer 1..100, got "ten"',
+        ),
+        (
+            ["status"],
+            {"MPSD_HEALTH_TIMEOUT": "later"},
+            "environment MPSD_HEALTH_TIMEOUT: healthTimeout: expected a duration",
+        ),
         (["run", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     ],
 )
@@ -169,8 +206,13 @@ def test_sighup_reloads_the_file(mps_control, mps_dirs, tmp_path):
     config = tmp_path / "mpsd.yaml"
     config.write_text("version: v1\nactiveThreadPercentage: 70\n")
     args = flags(mps_control, mps_dirs)
-    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", "--config", str(config), *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsd", "run", "--config", str(config), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def atp():
         result = mpsd("status", "--json", *args)
@@ -200,12 +242,23 @@ def test_status_table_shows_defaults_gpus_and_clients_with_memory():
     from mpsd.daemon import render_status
 
     data = {
-        "pipeDir": "/run/mps", "daemon": "up", "error": "",
+        "pipeDir": "/run/mps",
+        "daemon": "up",
+        "error": "",
         "settings": {"activeThreadPercentage": 50.0, "pinnedMemLimit": {"0": 2 << 30, "1": None}, "clientPriority": 0},
         "servers": [{"pid": 900, "clients": [901]}],
         "gpus": [{"index": 0, "name": "H100", "uuid": "GPU-1", "memory_used": 3 << 30, "memory_total": 80 << 30}],
-        "clients": [{"pid": 901, "client_id": 0, "server": 900, "device": "GPU-1", "namespace": "4026531836",
-                     "command": "python serve.py", "usedMemory": 1 << 30}],
+        "clients": [
+            {
+                "pid": 901,
+                "client_id": 0,
+                "server": 900,
+                "device": "GPU-1",
+                "namespace": "4026531836",
+                "command": "python serve.py",
+                "usedMemory": 1 << 30,
+            }
+        ],
     }
     assert render_status(data).splitlines() == [
         "daemon: up  pipe dir: /run/mps",

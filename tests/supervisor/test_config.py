@@ -33,12 +33,18 @@ def test_defaults_match_the_contract():
     assert (dp.enabled, dp.resource_name, dp.slices_per_gpu) == (False, "mpsd.io/gpu", 10)
     assert dp.kubelet_dir == "/var/lib/kubelet/device-plugins"
     assert dp.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
-    assert (dp.region_dir, dp.shim_host_dir, dp.shm_dir) == ("/var/lib/mpsd/regions", "/var/lib/mpsd/lib", "/var/lib/mpsd/shm")
+    assert (dp.region_dir, dp.shim_host_dir, dp.shm_dir) == (
+        "/var/lib/mpsd/regions",
+        "/var/lib/mpsd/lib",
+        "/var/lib/mpsd/shm",
+    )
     assert dp.ipc_mode == "hostIPC"
 
 
 def test_full_file(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 version: v1
 controlBinary: /opt/nvidia/bin/nvidia-cuda-mps-control
 pipeDir: /run/mpsd/pipe
@@ -54,7 +60,8 @@ devicePlugin:
   enabled: true
   slicesPerGpu: 4
   ipcMode: tmpfs
-""")
+""",
+    )
     c = cfg.load(path, {}, {})
     assert c.control_binary == "/opt/nvidia/bin/nvidia-cuda-mps-control"
     assert c.visible_devices == "0,GPU-1234"
@@ -94,24 +101,33 @@ def test_every_setting_has_flag_and_env():
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("version: v1\ndevicePlugin:\n  slicesPerGpu: ten\n", 'devicePlugin.slicesPerGpu: expected an integer 1..100, got "ten"'),
-        ("version: v1\ndevicePlugin:\n  slicesPerGpu: 101\n", "devicePlugin.slicesPerGpu: expected an integer 1..100, got 101"),
+        (
+            "version: v1\ndevicePlugin:\n  slicesPerGpu: ten\n",
+            'devicePlugin.slicesPerGpu: expected an integer 1..100, got "ten"',
+        ),
+        (
+            "version: v1\ndevicePlugin:\n  slicesPerGpu: 101\n",
+            "devicePlugin.slicesPerGpu: expected an integer 1..100, got 101",
+        ),
         ("version: v1\nactiveThreadPercentage: 0\n", "activeThreadPercentage: expected a number in (0, 100], got 0"),
         ("version: v1\nactiveThreadPercentage: 150\n", "activeThreadPercentage: expected a number in (0, 100]"),
         ("version: v1\npinnedMemLimit: 0=4Q\n", "pinnedMemLimit: expected DEVICE=SIZE"),
         ("version: v1\npinnedMemLimit: 0=1G,0=2G\n", "pinnedMemLimit: expected DEVICE=SIZE"),
         ("version: v1\nclientPriority: 2\n", "clientPriority: expected an integer 0..1, got 2"),
-        ("version: v1\nhealthInterval: soon\n", 'healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, got "soon"'),
+        (
+            "version: v1\nhealthInterval: soon\n",
+            'healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, got "soon"',
+        ),
         ("version: v1\nhealthInterval: 0s\n", "healthInterval: expected a duration above zero"),
         ("version: v1\nexclusiveProcess: maybe\n", 'exclusiveProcess: expected true or false, got "maybe"'),
-        ("version: v1\nmetricsAddress: localhost\n", 'metricsAddress: expected host:port'),
+        ("version: v1\nmetricsAddress: localhost\n", "metricsAddress: expected host:port"),
         ("version: v1\nvisibleDevices: all\n", "visibleDevices: expected a comma-separated list"),
         ("version: v1\nlogLevel: loud\n", "logLevel: expected debug | info | warning | error"),
         ("version: v1\ndevicePlugin:\n  ipcMode: host\n", "devicePlugin.ipcMode: expected hostIPC or tmpfs"),
         ("version: v1\npipeDir: ''\n", "pipeDir: expected a non-empty path"),
         ("version: v1\npipeDirectory: /x\n", "pipeDirectory: unknown key; known keys here:"),
         ("version: v1\ndevicePlugin:\n  slices: 3\n", "devicePlugin.slices: unknown key; known keys here: enabled,"),
-        ("version: v2\n", "version: expected v1, got \"v2\""),
+        ("version: v2\n", 'version: expected v1, got "v2"'),
         ("pipeDir: /x\n", "version: required, expected v1"),
         ("- a\n- b\n", "expected a mapping with version: v1"),
         ("version: v1\npipeDir: [unclosed\n", "not valid YAML at line"),
@@ -128,7 +144,9 @@ def test_file_errors_are_one_line_naming_the_key(tmp_path, text, message):
 
 
 def test_env_and_flag_errors_name_their_origin():
-    with pytest.raises(ConfigError, match=r"^environment MPSD_SLICES_PER_GPU: devicePlugin.slicesPerGpu: expected an integer 1..100"):
+    with pytest.raises(
+        ConfigError, match=r"^environment MPSD_SLICES_PER_GPU: devicePlugin.slicesPerGpu: expected an integer 1..100"
+    ):
         cfg.load(None, {"MPSD_SLICES_PER_GPU": "0"}, {})
     with pytest.raises(ConfigError, match=r"^flag --pinned-mem-limit: pinnedMemLimit: expected DEVICE=SIZE"):
         cfg.load(None, {}, {"pinned-mem-limit": "lots"})
@@ -169,14 +187,24 @@ def test_describe_is_one_line_with_every_key():
     exclusive=st.booleans(),
     devices=st.sampled_from([None, "0", "0,1", "GPU-abc,1"]),
 )
-def test_any_valid_config_round_trips_through_yaml(tmp_path_factory, atp, limits, priority, interval_ms, slices, exclusive, devices):
+def test_any_valid_config_round_trips_through_yaml(
+    tmp_path_factory, atp, limits, priority, interval_ms, slices, exclusive, devices
+):
     from mpsd.units import format_limits
 
-    c = cfg.load(None, {}, {
-        "active-thread-percentage": atp, "pinned-mem-limit": format_limits(limits), "client-priority": priority,
-        "health-interval": f"{interval_ms}ms", "slices-per-gpu": slices, "exclusive-process": exclusive,
-        "visible-devices": devices,
-    })
+    c = cfg.load(
+        None,
+        {},
+        {
+            "active-thread-percentage": atp,
+            "pinned-mem-limit": format_limits(limits),
+            "client-priority": priority,
+            "health-interval": f"{interval_ms}ms",
+            "slices-per-gpu": slices,
+            "exclusive-process": exclusive,
+            "visible-devices": devices,
+        },
+    )
     assert c.pinned_mem_limit == limits and c.client_priority == priority
     assert c.health_interval == pytest.approx(interval_ms / 1000)
     path = tmp_path_factory.mktemp("rt") / "c.yaml"

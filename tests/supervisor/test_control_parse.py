@@ -27,7 +27,9 @@ from mpsd.units import format_size_mps_control, parse_size
 G, M = 1 << 30, 1 << 20
 
 
-@pytest.mark.parametrize("output,pids", [("", []), ("\n", []), ("1234\n", [1234]), ("12\n34\n", [12, 34]), ("12 34", [12, 34])])
+@pytest.mark.parametrize(
+    "output,pids", [("", []), ("\n", []), ("1234\n", [1234]), ("12\n34\n", [12, 34]), ("12 34", [12, 34])]
+)
 def test_parse_pids(output, pids):
     assert parse_pids(output) == pids
 
@@ -68,8 +70,18 @@ def test_parse_mem_limit_rejects(output):
 # What the 535 daemon printed back for each value set (run by hand against the real binary).
 @pytest.mark.parametrize(
     "set_to,shown",
-    [("1044M", "1G"), ("1536M", "1G"), ("512M", "512M"), ("2048M", "2G"), ("3G", "3G"), ("1025M", "1G"),
-     ("1M", "1M"), ("4095M", "3G"), ("70000M", "68G"), ("100G", "100G")],
+    [
+        ("1044M", "1G"),
+        ("1536M", "1G"),
+        ("512M", "512M"),
+        ("2048M", "2G"),
+        ("3G", "3G"),
+        ("1025M", "1G"),
+        ("1M", "1M"),
+        ("4095M", "3G"),
+        ("70000M", "68G"),
+        ("100G", "100G"),
+    ],
 )
 def test_mem_limit_as_displayed_matches_daemon(set_to, shown):
     assert mem_limit_as_displayed(parse_size(set_to)) == parse_size(shown)
@@ -96,7 +108,12 @@ def test_parse_priority_rejects(output):
 
 @pytest.mark.parametrize(
     "output,state",
-    [("ACTIVE\n", "ACTIVE"), ("FAULT", "FAULT"), ("1234 INITIALIZING\n", "INITIALIZING"), ("Server 12: Active", "ACTIVE")],
+    [
+        ("ACTIVE\n", "ACTIVE"),
+        ("FAULT", "FAULT"),
+        ("1234 INITIALIZING\n", "INITIALIZING"),
+        ("Server 12: Active", "ACTIVE"),
+    ],
 )
 def test_parse_server_status(output, state):
     assert parse_server_status(output) == state
@@ -109,7 +126,12 @@ def test_parse_server_status_rejects():
 
 @pytest.mark.parametrize(
     "output,table",
-    [("", {}), ("GPU-abc 12 13\n", {"GPU-abc": [12, 13]}), ("0 5\n1\n", {"0": [5], "1": []}), ("GPU-a 1,2", {"GPU-a": [1, 2]})],
+    [
+        ("", {}),
+        ("GPU-abc 12 13\n", {"GPU-abc": [12, 13]}),
+        ("0 5\n1\n", {"0": [5], "1": []}),
+        ("GPU-a 1,2", {"GPU-a": [1, 2]}),
+    ],
 )
 def test_parse_device_client_list(output, table):
     assert parse_device_client_list(output) == table
@@ -151,7 +173,11 @@ def test_parse_terminate(output, code):
         ("Server 1 not found\nServer 1 not found!\n1\n", CommandRejected),
         ("Invalid priority value - must be 0 or 1!\n", CommandRejected),
         ("Server not found\n", CommandRejected),
-        ("Insufficient privileges for UID 1000. Control deamon settings can only be modified by the user started it or by the root user.\n", CommandRejected),
+        (
+            "Insufficient privileges for UID 1000. Control deamon settings can only be modified by the user "
+            "started it or by the root user.\n",
+            CommandRejected,
+        ),
         ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE should be between (0.0, 100.0]\n", CommandRejected),
     ],
 )

@@ -23,7 +23,9 @@ def daemon(mps_control, mps_dirs):
     pipe, logs = mps_dirs
     dirs.prepare(str(pipe), str(logs))
     env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(logs))
-    proc = subprocess.Popen([str(mps_control), "-f"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(mps_control), "-f"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     control = Control(str(mps_control), str(pipe), str(logs), timeout=10)
     deadline = time.monotonic() + 20
     while True:
@@ -133,7 +135,9 @@ def test_apply_defaults_verifies_by_read_back(daemon):
     from mpsd.control import ConfigureError, apply_defaults
 
     control, _ = daemon
-    config = cfg.load(None, {}, {"active-thread-percentage": "50", "pinned-mem-limit": "0=1536M,1=100M", "client-priority": "1"})
+    config = cfg.load(
+        None, {}, {"active-thread-percentage": "50", "pinned-mem-limit": "0=1536M,1=100M", "client-priority": "1"}
+    )
     apply_defaults(control, config)
     assert control.get_default_active_thread_percentage() == 50.0
     assert control.get_default_device_pinned_mem_limit(0) == 1 * G

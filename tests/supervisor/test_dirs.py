@@ -51,7 +51,13 @@ def test_lock_held_by_another_process_is_refused(tmp_path):
     lock = pipe / "control_lock"
     lock.write_text("")
     holder = subprocess.Popen(
-        ["python3", "-c", "import fcntl,os,sys,time; fd=os.open(sys.argv[1],os.O_RDWR); fcntl.lockf(fd,fcntl.LOCK_EX); print('x',flush=True); time.sleep(60)", str(lock)],
+        [
+            "python3",
+            "-c",
+            "import fcntl,os,sys,time; fd=os.open(sys.argv[1],os.O_RDWR); fcntl.lockf(fd,fcntl.LOCK_EX); "
+            "print('x',flush=True); time.sleep(60)",
+            str(lock),
+        ],
         stdout=subprocess.PIPE,
     )
     try:
@@ -84,7 +90,10 @@ def test_real_daemon_after_sigkill_leaves_files_that_prepare_clears(mps_control,
     assert not any(pipe.iterdir())
 
 
-@pytest.mark.parametrize("pipe,log,message", [("relative/pipe", "/tmp/x", "expected an absolute path"), ("/tmp/x", "rel", "expected an absolute path")])
+@pytest.mark.parametrize(
+    "pipe,log,message",
+    [("relative/pipe", "/tmp/x", "expected an absolute path"), ("/tmp/x", "rel", "expected an absolute path")],
+)
 def test_relative_paths_rejected(pipe, log, message):
     with pytest.raises(SetupError, match=message):
         dirs.prepare(pipe, log)

@@ -78,23 +78,38 @@ def short_dir():
 def test_run_with_plugin_metrics_and_recovery(mps_control, short_dir, tmp_path_factory):
     nvml = build_fake_nvml(tmp_path_factory.mktemp("nvml"))
     nvml_conf = short_dir / "nvml.conf"
-    nvml_conf.write_text(nvml_config_text([(UUID, 40 * GIB, 3 * GIB, (9, 0), False, "Fake H100")],
-                                          mps_clients=[(0, 4242, 2 * GIB)]))
+    nvml_conf.write_text(
+        nvml_config_text([(UUID, 40 * GIB, 3 * GIB, (9, 0), False, "Fake H100")], mps_clients=[(0, 4242, 2 * GIB)])
+    )
     (short_dir / "kubelet").mkdir()
     kubelet = Kubelet(str(short_dir / "kubelet" / "kubelet.sock"))
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [
-        f"--control-binary={mps_control}", f"--pipe-dir={short_dir / 'pipe'}", f"--log-dir={short_dir / 'log'}",
-        f"--state-dir={short_dir / 'state'}", f"--metrics-address=127.0.0.1:{port}", "--health-interval=0.5s",
-        f"--nvml-library={nvml}", "--device-plugin", "--slices-per-gpu=4",
-        f"--kubelet-dir={short_dir / 'kubelet'}", f"--pod-resources-socket={short_dir / 'none.sock'}",
-        f"--region-dir={short_dir / 'regions'}", f"--shim-host-dir={short_dir / 'lib'}",
+        f"--control-binary={mps_control}",
+        f"--pipe-dir={short_dir / 'pipe'}",
+        f"--log-dir={short_dir / 'log'}",
+        f"--state-dir={short_dir / 'state'}",
+        f"--metrics-address=127.0.0.1:{port}",
+        "--health-interval=0.5s",
+        f"--nvml-library={nvml}",
+        "--device-plugin",
+        "--slices-per-gpu=4",
+        f"--kubelet-dir={short_dir / 'kubelet'}",
+        f"--pod-resources-socket={short_dir / 'none.sock'}",
+        f"--region-dir={short_dir / 'regions'}",
+        f"--shim-host-dir={short_dir / 'lib'}",
     ]
     env = dict(os.environ, FAKE_NVML_CONFIG=str(nvml_conf))
-    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsd", "run", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     channel = None
     try:
         wait_until(lambda: proc.poll() is not None or ready(port) == 200, what="ready")
@@ -102,15 +117,23 @@ def test_run_with_plugin_metrics_and_recovery(mps_control, short_dir, tmp_path_f
         assert kubelet.registered.wait(30)
         request = kubelet.requests[0]
         assert request.resource_name == "mpsd.io/gpu"
-        wait_until(lambda: 'mpsd_client_memory_bytes{gpu="0",pid="4242"} 2.147483648e+09' in scrape(port), what="NVML metrics")
+        wait_until(
+            lambda: 'mpsd_client_memory_bytes{gpu="0",pid="4242"} 2.147483648e+09' in scrape(port), what="NVML metrics"
+        )
         text = scrape(port)
         assert f'mpsd_gpu_memory_total_bytes{{gpu="0",uuid="{UUID}"}} 4.294967296e+10' in text
         assert 'mpsd_mps_clients{gpu="0"} 1.0' in text
         assert 'mpsd_device_healthy{gpu="0"} 1.0' in text
         assert "mpsd_daemon_up 1.0" in text
 
-        status = subprocess.run([sys.executable, "-m", "mpsd", "status", "--json", *args], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "mpsd", "status", "--json", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         data = json.loads(status.stdout)
         assert status.returncode == 0 and data["daemon"] == "up"
         assert [(g["index"], g["uuid"], g["memory_total"]) for g in data["gpus"]] == [(0, UUID, 40 * GIB)]

@@ -44,7 +44,9 @@ def reads_back(config, atp, limits, priority=None):
 
 
 def test_start_applies_defaults_before_ready(make_config, run_supervisor):
-    config = make_config(**{"active-thread-percentage": "40", "pinned-mem-limit": "0=2G,1=1044M", "client-priority": "1"})
+    config = make_config(
+        **{"active-thread-percentage": "40", "pinned-mem-limit": "0=2G,1=1044M", "client-priority": "1"}
+    )
     r = run_supervisor(config)
     state = r.wait_for(lambda s: s.configured, what="configured")
     assert state.daemon_up and state.last_error == ""
@@ -86,13 +88,15 @@ def test_crash_loop_backs_off(make_config, run_supervisor, tmp_path):
     binary = tmp_path / "crashing-control"
     binary.write_text(f'#!/bin/sh\n[ "$1" = "-f" ] && date +%s.%N >> {starts}\nexit 1\n')
     binary.chmod(0o755)
-    config = make_config(**{"control-binary": str(binary), "restart-backoff-initial": "0.1s", "restart-backoff-max": "0.8s"})
+    config = make_config(
+        **{"control-binary": str(binary), "restart-backoff-initial": "0.1s", "restart-backoff-max": "0.8s"}
+    )
     r = run_supervisor(config)
     state = r.wait_for(lambda s: "crash loop" in s.last_error, what="crash loop reported")
     assert not state.daemon_up and not state.configured
     time.sleep(3)
     times = [float(t) for t in starts.read_text().split()]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     # Expected waits 0.1, 0.2, 0.4, 0.8, 0.8 ...: a hammering loop would start hundreds of times.
     assert len(times) <= 12, times
     assert gaps[0] >= 0.08
@@ -102,7 +106,11 @@ def test_crash_loop_backs_off(make_config, run_supervisor, tmp_path):
 
 def test_reload_applies_new_defaults_live_and_defers_the_rest(make_config, run_supervisor, caplog):
     config = make_config(**{"active-thread-percentage": "80"})
-    new = {"config": make_config(**{"active-thread-percentage": "20", "pinned-mem-limit": "0=3G", "pipe-dir": "/tmp/elsewhere"})}
+    new = {
+        "config": make_config(
+            **{"active-thread-percentage": "20", "pinned-mem-limit": "0=3G", "pipe-dir": "/tmp/elsewhere"}
+        )
+    }
 
     def reload():
         value = new["config"]
@@ -198,7 +206,8 @@ def test_defaults_that_do_not_read_back_fail_loudly(make_config, run_supervisor,
         "#!/bin/sh\n"
         f'[ "$#" -gt 0 ] && exec {mps_control} "$@"\n'
         "read -r line\n"
-        'case "$line" in set_default_active_thread_percentage*) line="set_default_active_thread_percentage 250";; esac\n'
+        'case "$line" in set_default_active_thread_percentage*) '
+        'line="set_default_active_thread_percentage 250";; esac\n'
         f"printf '%s\\n' \"$line\" | exec {mps_control}\n"
     )
     wrapper.chmod(0o755)
