@@ -28,7 +28,7 @@ enum {
 };
 
 /* cuGetProcAddress flags and CUdriverProcAddressQueryResult. */
-enum { CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2 };
+enum { CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2 };
 typedef int CUdriverProcAddressQueryResult;
 
 /* CUmemAllocationProp (32 bytes): location.type at offset 8, location.id at offset 12. */

@@ -53,25 +53,25 @@ static const variant VARIANTS[] = {
     {"cuMemRelease", 10020, 0, MS_ID_cuMemRelease},
 };
 
-/* The variant the driver's rule picks: the newest that appeared at or before `version`, of
- * the per-thread-stream flavour if asked for and one exists. NULL if the base is unknown or
- * only newer variants exist; *known says whether the base is one of ours at all. */
-static const variant *predict(const char *symbol, int version, cuuint64_t flags, int *known)
+/* The variants the driver's rule can pick for `version`: the newest legacy-stream one and
+ * the newest per-thread-stream one that appeared at or before it (NULL where none). Returns
+ * whether the base is one of the table's at all. */
+static int candidates(const char *symbol, int version, const variant **legacy, const variant **ptsz)
 {
-    const variant *legacy = NULL, *ptsz = NULL;
-    *known = 0;
+    int known = 0;
+    *legacy = *ptsz = NULL;
     for (size_t i = 0; i < sizeof VARIANTS / sizeof VARIANTS[0]; i++) {
         const variant *v = &VARIANTS[i];
         if (strcmp(v->base, symbol) != 0)
             continue;
-        *known = 1;
+        known = 1;
         if (v->version > version)
             continue;
-        const variant **slot = v->ptsz ? &ptsz : &legacy;
+        const variant **slot = v->ptsz ? ptsz : legacy;
         if (*slot == NULL || v->version > (*slot)->version)
             *slot = v;
     }
-    return (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && ptsz != NULL ? ptsz : legacy;
+    return known;
 }
 
 /* Ask the real driver again, at another ABI version (same entry point as the caller used). */
@@ -95,9 +95,11 @@ static void *requery_v2(const char *symbol, int version, cuuint64_t flags)
 /* What the caller gets for the driver's answer `p`.
  *  1. p is the real exported function of a hooked variant: that variant's hook.
  *  2. Otherwise, for a base name we hook, the driver may answer with an internal address.
- *     The variant is then predicted from the table, and trusted only if the driver gives the
- *     very same address when asked at the version that variant appeared in (so no newer
- *     variant unknown to the table was chosen): that variant's hook.
+ *     The candidates (newest legacy-stream and per-thread-stream variants for `version`) are
+ *     checked by asking the driver again at the version each appeared in, with its stream
+ *     flag explicit: the one the driver answers with the very same address is the variant
+ *     the caller got (no newer variant unknown to the table was chosen), and its hook is
+ *     handed out.
  *  3. Anything else is handed back untouched; for a hooked base that means uncapped, which
  *     is said once on stderr. */
 static void *swap_for_hook(const char *symbol, int version, cuuint64_t flags, void *p, requery_fn requery)
@@ -107,14 +109,21 @@ static void *swap_for_hook(const char *symbol, int version, cuuint64_t flags, vo
     void *hook = ms_hook_by_real(p);
     if (hook != NULL || ms_is_hook(p))
         return hook != NULL ? hook : p;
-    int known = 0;
-    const variant *v = predict(symbol, version, flags, &known);
-    if (!known)
+    const variant *legacy, *ptsz;
+    if (!candidates(symbol, version, &legacy, &ptsz))
         return p;
-    if (v != NULL && v->id < 0)
-        return p; /* an unhooked variant, e.g. the 32-bit cuMemAllocPitch */
-    if (v != NULL && ms_real_fn_loaded((enum ms_hook_id)v->id) != NULL && requery(symbol, v->version, flags) == p)
-        return ms_hook_of((enum ms_hook_id)v->id);
+    int ptsz_first = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const variant *order[2] = {ptsz_first ? ptsz : legacy, ptsz_first ? legacy : ptsz};
+    for (int i = 0; i < 2; i++) {
+        const variant *v = order[i];
+        if (v == NULL || requery(symbol, v->version, v->ptsz ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                                             : CU_GET_PROC_ADDRESS_LEGACY_STREAM) != p)
+            continue;
+        if (v->id < 0)
+            return p; /* an unhooked variant, e.g. the 32-bit cuMemAllocPitch */
+        if (ms_real_fn_loaded((enum ms_hook_id)v->id) != NULL)
+            return ms_hook_of((enum ms_hook_id)v->id);
+    }
     static int warned;
     if (__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED) == 0)
         ms_log(MS_LOG_ERROR,

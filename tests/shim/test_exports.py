@@ -103,23 +103,33 @@ def hidden_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run_hidden(shim_lib: Path, hidden: Path, version: int, tmp: Path) -> subprocess.CompletedProcess[str]:
+def run_hidden(shim_lib: Path, hidden: Path, version: int, tmp: Path, flags: int = 0,
+               base: str = "cuMemAlloc", extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {"LD_PRELOAD": str(shim_lib), "LD_LIBRARY_PATH": str(hidden / "driver"),
-           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G", "MPSSHIM_REGION": str(tmp / "r.region")}
-    return subprocess.run([str(hidden / "hiddenmain"), str(version), str(768 << 20), str(512 << 20)], env=env,
-                          capture_output=True, text=True, timeout=30, check=False)
+           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G", "MPSSHIM_REGION": str(tmp / "r.region"), **(extra or {})}
+    argv = [str(hidden / "hiddenmain"), str(version), str(flags), base, str(768 << 20), str(512 << 20)]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
 
 
 def test_a_driver_answering_with_internal_addresses_is_still_capped(
         shim_lib: Path, hidden_driver: Path, tmp_path: Path) -> None:
     proc = run_hidden(shim_lib, hidden_driver, 3020, tmp_path)
-    assert (proc.returncode, proc.stdout) == (0, "init=0 alloc=0,2 calls=1\n"), proc.stderr
+    assert (proc.returncode, proc.stdout) == (0, "init=0 alloc=0,2 calls=1 ptsz=0\n"), proc.stderr
     assert [line for line in proc.stderr.splitlines() if "NOT capped" in line] == []
 
 
 def test_a_variant_unknown_to_the_shim_passes_through_and_says_so(
         shim_lib: Path, hidden_driver: Path, tmp_path: Path) -> None:
     proc = run_hidden(shim_lib, hidden_driver, 12000, tmp_path)
-    assert (proc.returncode, proc.stdout) == (0, "init=0 alloc=0,0 calls=2\n"), proc.stderr
+    assert (proc.returncode, proc.stdout) == (0, "init=0 alloc=0,0 calls=2 ptsz=0\n"), proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpsshim[")]
     assert len(lines) == 1 and '"cuMemAlloc", 12000' in lines[0] and "NOT capped" in lines[0]
+
+
+@pytest.mark.parametrize(("flags", "default_per_thread", "ptsz_calls"),
+                         [(0, False, 0), (1, False, 0), (2, False, 1), (0, True, 1), (1, True, 0)])
+def test_internal_addresses_keep_their_stream_flavour(shim_lib: Path, hidden_driver: Path, tmp_path: Path,
+                                                      flags: int, default_per_thread: bool, ptsz_calls: int) -> None:
+    extra = {"HIDDEN_DEFAULT_PER_THREAD": "1"} if default_per_thread else {}
+    proc = run_hidden(shim_lib, hidden_driver, 12000, tmp_path, flags=flags, base="cuMemAllocAsync", extra=extra)
+    assert (proc.returncode, proc.stdout) == (0, f"init=0 alloc=0,2 calls=1 ptsz={ptsz_calls}\n"), proc.stderr
