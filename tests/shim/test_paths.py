@@ -221,9 +221,8 @@ def test_the_cap_is_shared_by_the_processes_of_one_region(shim: ShimEnv) -> None
     import subprocess
 
     env = shim.env("0=1G")
-    first = subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "alloc", 768 * M, "pause", "free"]), env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "alloc", 768 * M, "pause", "free"]), env=env,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as first:
         assert first.stdout is not None and first.stdin is not None
         seen = [first.stdout.readline().strip() for _ in range(4)]
         assert seen[2:] == ["alloc rc=0", "pause rc=0"]
@@ -233,9 +232,6 @@ def test_the_cap_is_shared_by_the_processes_of_one_region(shim: ShimEnv) -> None
         first.stdin.write("go\n")
         first.stdin.flush()
         assert first.wait(timeout=30) == 0
-    finally:
-        first.kill()
-        first.wait()
 
 
 def test_the_fake_as_its_makefile_builds_it_is_capped_too(shim: ShimEnv, plain_fake_dir) -> None:
@@ -257,3 +253,22 @@ def test_threads_racing_for_the_cap_never_pass_it_and_leave_nothing_charged(shim
     assert r.of("used")[0]["bytes"] == 0
     assert r.of("usage")[0]["used"] == 0
     assert r.of("info")[0]["free"] == G
+
+
+def test_usage_above_a_smaller_cap_reports_zero_free_without_wrapping(shim: ShimEnv) -> None:
+    import subprocess
+
+    # two processes of one region with different caps: the first uses 1.5 GiB under 2 GiB
+    with subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "alloc", 1536 * M, "pause"]), env=shim.env("0=2G"),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as first:
+        assert first.stdout is not None and first.stdin is not None
+        assert [first.stdout.readline().strip() for _ in range(4)][2:] == ["alloc rc=0", "pause rc=0"]
+        second = shim.run("gpa2", ["init", "ctx", 0, "info", "alloc", M, "nvmem", 0], limit="0=1G")
+        info = second.of("info")[0]
+        assert (info["total"], info["free"]) == (G, 0)
+        assert second.rcs("alloc") == [2]
+        nv = second.of("nvmem")[0]
+        assert (nv["total"], nv["used"], nv["free"]) == (G, G, 0)
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        assert first.wait(timeout=30) == 0
