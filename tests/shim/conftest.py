@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,10 +51,10 @@ def _build_fakes(out: Path, symbolic: bool) -> Path:
     ldflags = ["LDFLAGS=-shared -Wl,-Bsymbolic-functions"] if symbolic else []
     _run(["make", "-s", "-C", str(FAKES), f"OUT_DIR={out}", *ldflags, "cuda"])
     _run(["make", "-s", "-f", str(FAKES / "nvml.mk"), f"OUT={out}", "fake-nvml"])
-    relocs = subprocess.run(["readelf", "-rW", str(out / "libcuda.so.1")], capture_output=True, text=True,
-                            check=True).stdout
-    bound_locally = not any(line.split()[-3:-2] == ["cuMemAlloc_v2"] or " cuMemAlloc_v2 " in line
-                            for line in relocs.splitlines())
+    relocs = subprocess.run(
+        ["readelf", "-rW", str(out / "libcuda.so.1")], capture_output=True, text=True, check=True
+    ).stdout
+    bound_locally = " cuMemAlloc_v2 " not in relocs
     if bound_locally != symbolic:
         raise RuntimeError(f"fake libcuda in {out}: expected symbolic={symbolic}, relocations say otherwise")
     return out
@@ -75,10 +75,21 @@ def clients(tmp_path_factory: pytest.TempPathFactory, fake_dir: Path) -> dict[st
     out = tmp_path_factory.mktemp("clients")
     flags = ["cc", "-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}"]
     _run([*flags, str(HERE / "cuclient.c"), "-o", str(out / "cuclient"), "-ldl", "-lpthread"])
-    _run([*flags, "-DLINKED", str(HERE / "cuclient.c"), "-o", str(out / "cuclient_link"),
-          f"-L{fake_dir}", "-lcuda", "-l:libnvidia-ml.so.1", "-ldl", "-lpthread"])
-    return {"dlsym": out / "cuclient", "gpa": out / "cuclient", "gpa2": out / "cuclient",
-            "link": out / "cuclient_link"}
+    _run(
+        [
+            *flags,
+            "-DLINKED",
+            str(HERE / "cuclient.c"),
+            "-o",
+            str(out / "cuclient_link"),
+            f"-L{fake_dir}",
+            "-lcuda",
+            "-l:libnvidia-ml.so.1",
+            "-ldl",
+            "-lpthread",
+        ]
+    )
+    return {"dlsym": out / "cuclient", "gpa": out / "cuclient", "gpa2": out / "cuclient", "link": out / "cuclient_link"}
 
 
 @dataclass
@@ -141,10 +152,24 @@ class ShimEnv:
     def argv(self, mode: str, cmds: Sequence[object], version: int = 12000, flags: int = 0) -> list[str]:
         return [str(self.clients[mode]), mode, str(version), str(flags), *map(str, cmds)]
 
-    def run(self, mode: str, cmds: Sequence[object], limit: str | None = None, version: int = 12000,
-            flags: int = 0, extra: dict[str, str] | None = None, preload: bool = True) -> Result:
-        proc = subprocess.run(self.argv(mode, cmds, version, flags), env=self.env(limit, extra, preload),
-                              capture_output=True, text=True, timeout=60, check=False)
+    def run(
+        self,
+        mode: str,
+        cmds: Sequence[object],
+        limit: str | None = None,
+        version: int = 12000,
+        flags: int = 0,
+        extra: dict[str, str] | None = None,
+        preload: bool = True,
+    ) -> Result:
+        proc = subprocess.run(
+            self.argv(mode, cmds, version, flags),
+            env=self.env(limit, extra, preload),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         lines = [parse_line(t) for t in proc.stdout.splitlines() if t.strip()]
         return Result(lines, proc.stderr, proc.returncode, shim_lines(proc.stderr))
 
@@ -152,6 +177,3 @@ class ShimEnv:
 @pytest.fixture
 def shim(shim_lib: Path, fake_dir: Path, clients: dict[str, Path], tmp_path: Path) -> ShimEnv:
     return ShimEnv(shim_lib, fake_dir, clients, tmp_path)
-
-
-ShimRun = Callable[..., Result]

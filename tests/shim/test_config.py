@@ -30,8 +30,11 @@ MALFORMED = [
 
 @pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_limit_fails_cuda_init_and_every_allocation_with_one_line(shim: ShimEnv, text: str) -> None:
-    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", M, "ctx", 1, "alloc", M, "calls", "cuMemAlloc_v2",
-                          "calls", "cuInit"], limit=text)
+    r = shim.run(
+        "gpa2",
+        ["init", "ctx", 0, "alloc", M, "ctx", 1, "alloc", M, "calls", "cuMemAlloc_v2", "calls", "cuInit"],
+        limit=text,
+    )
     assert r.rcs("init") == [1]  # CUDA_ERROR_INVALID_VALUE; the real cuInit never ran
     assert r.rcs("ctx") == [3, 3]  # so the driver stays uninitialised
     assert r.rcs("alloc") == [2, 2]
@@ -43,8 +46,12 @@ def test_malformed_limit_fails_cuda_init_and_every_allocation_with_one_line(shim
 
 @pytest.mark.parametrize("mode", ["link", "dlsym", "gpa", "gpa2"])
 def test_disable_passes_everything_through(shim: ShimEnv, mode: str) -> None:
-    r = shim.run(mode, ["init", "ctx", 0, "alloc", 2 * G, "used", 0, "info", "total", 0, "where", "cuMemAlloc"],
-                 limit="0=1G", extra={"MPSSHIM_DISABLE": "1"})
+    r = shim.run(
+        mode,
+        ["init", "ctx", 0, "alloc", 2 * G, "used", 0, "info", "total", 0, "where", "cuMemAlloc"],
+        limit="0=1G",
+        extra={"MPSSHIM_DISABLE": "1"},
+    )
     assert r.rcs("alloc") == [0]
     assert r.of("used")[0]["bytes"] == 2 * G
     assert r.of("info")[0]["total"] == 16 * G
@@ -106,8 +113,12 @@ def _unusable(tmp: Path, how: str) -> str:
 @pytest.mark.parametrize("how", ["missing-dir", "garbage", "directory"])
 def test_an_unusable_region_refuses_capped_devices_only(shim: ShimEnv, tmp_path: Path, how: str) -> None:
     region = _unusable(tmp_path, how)
-    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", M, "info", "calls", "cuMemAlloc_v2", "ctx", 1, "alloc", G],
-                 limit="0=1G", extra={"MPSSHIM_REGION": region})
+    r = shim.run(
+        "gpa2",
+        ["init", "ctx", 0, "alloc", M, "info", "calls", "cuMemAlloc_v2", "ctx", 1, "alloc", G],
+        limit="0=1G",
+        extra={"MPSSHIM_REGION": region},
+    )
     assert r.rcs("alloc") == [2, 0]  # capped device 0 refused, uncapped device 1 served
     assert r.of("calls")[0]["n"] == 0
     assert r.of("info")[0]["free"] == 0

@@ -24,8 +24,11 @@ def test_nvml_reports_cap_and_usage_by_index(shim: ShimEnv, mode: str, query: st
 
 @pytest.mark.parametrize("mode", ["link", "dlsym"])
 def test_nvml_maps_a_uuid_limit_to_the_device_with_that_uuid(shim: ShimEnv, mode: str) -> None:
-    r = shim.run(mode, ["init", "ctx", 1, "alloc", 512 * M, "nvmem", 0, "nvmem", 1],
-                 limit="GPU-face0000-0000-0000-0000-000000000001=2G")
+    r = shim.run(
+        mode,
+        ["init", "ctx", 1, "alloc", 512 * M, "nvmem", 0, "nvmem", 1],
+        limit="GPU-face0000-0000-0000-0000-000000000001=2G",
+    )
     dev0, dev1 = r.of("nvmem")
     assert dev0["total"] == 16 * G
     assert (dev1["total"], dev1["used"], dev1["free"]) == (2 * G, 512 * M, 1536 * M)
@@ -42,11 +45,14 @@ def test_nvml_untouched_when_disabled(shim: ShimEnv) -> None:
 
 
 def test_pynvml_sees_the_cap(shim: ShimEnv) -> None:
-    code = ("import pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); "
-            "m = pynvml.nvmlDeviceGetMemoryInfo(h); m2 = pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2); "
-            "print(m.total, m.free, m2.total, m2.free)")
+    code = (
+        "import pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); "
+        "m = pynvml.nvmlDeviceGetMemoryInfo(h); m2 = pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2); "
+        "print(m.total, m.free, m2.total, m2.free)"
+    )
     env = shim.env("0=1G")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(G)] * 4

@@ -12,9 +12,32 @@ MODES = ["link", "dlsym", "gpa", "gpa2"]
 
 @pytest.mark.parametrize("mode", MODES)
 def test_over_cap_is_refused_before_the_driver_and_free_gives_it_back(shim: ShimEnv, mode: str) -> None:
-    r = shim.run(mode, ["init", "ctx", 0, "alloc", 768 * M, "used", 0, "calls", "cuMemAlloc_v2",
-                        "alloc", 512 * M, "used", 0, "calls", "cuMemAlloc_v2",
-                        "free", "used", 0, "alloc", 512 * M], limit="0=1G")
+    r = shim.run(
+        mode,
+        [
+            "init",
+            "ctx",
+            0,
+            "alloc",
+            768 * M,
+            "used",
+            0,
+            "calls",
+            "cuMemAlloc_v2",
+            "alloc",
+            512 * M,
+            "used",
+            0,
+            "calls",
+            "cuMemAlloc_v2",
+            "free",
+            "used",
+            0,
+            "alloc",
+            512 * M,
+        ],
+        limit="0=1G",
+    )
     assert r.rcs("alloc") == [0, 2, 0]
     used = [line["bytes"] for line in r.of("used")]
     calls = [line["n"] for line in r.of("calls")]
@@ -29,8 +52,11 @@ def test_over_cap_is_refused_before_the_driver_and_free_gives_it_back(shim: Shim
 
 @pytest.mark.parametrize("mode", MODES)
 def test_memory_queries_report_the_cap_and_usage(shim: ShimEnv, mode: str) -> None:
-    r = shim.run(mode, ["init", "ctx", 0, "info", "alloc", 256 * M, "info", "total", 0, "total", 1,
-                        "ctx", 1, "info", "alloc", 6 * G], limit="0=1G")
+    r = shim.run(
+        mode,
+        ["init", "ctx", 0, "info", "alloc", 256 * M, "info", "total", 0, "total", 1, "ctx", 1, "info", "alloc", 6 * G],
+        limit="0=1G",
+    )
     info = r.of("info")
     assert (info[0]["total"], info[0]["free"]) == (G, G)
     assert (info[1]["total"], info[1]["free"]) == (G, 768 * M)
@@ -53,8 +79,29 @@ KINDS = {
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_allocation_kind_is_capped_and_uncharged_by_its_free(shim: ShimEnv, mode: str, kind: str) -> None:
     make, fn = KINDS[kind]
-    r = shim.run(mode, ["init", "ctx", 0, *make(768 * M), "used", 0, "calls", fn, *make(512 * M), "used", 0,
-                        "calls", fn, "free", "used", 0, *make(G)], limit="0=1G")
+    r = shim.run(
+        mode,
+        [
+            "init",
+            "ctx",
+            0,
+            *make(768 * M),
+            "used",
+            0,
+            "calls",
+            fn,
+            *make(512 * M),
+            "used",
+            0,
+            "calls",
+            fn,
+            "free",
+            "used",
+            0,
+            *make(G),
+        ],
+        limit="0=1G",
+    )
     assert r.rcs(kind) == [0, 2, 0]
     assert [line["bytes"] for line in r.of("used")] == [768 * M, 768 * M, 0]
     assert [line["n"] for line in r.of("calls")] == [1, 1]
@@ -63,16 +110,18 @@ def test_every_allocation_kind_is_capped_and_uncharged_by_its_free(shim: ShimEnv
 
 def test_cuMemCreate_charges_the_device_named_in_its_properties(shim: ShimEnv) -> None:
     # the current context is device 1 (uncapped); the allocation is on capped device 0
-    r = shim.run("gpa2", ["init", "ctx", 1, "create", 0, 2 * G, "create", 1, 4 * G, "create", 0, 512 * M],
-                 limit="0=1G")
+    r = shim.run("gpa2", ["init", "ctx", 1, "create", 0, 2 * G, "create", 1, 4 * G, "create", 0, 512 * M], limit="0=1G")
     assert r.rcs("create") == [2, 0, 0]
 
 
 def test_pitch_is_charged_as_pitch_times_height(shim: ShimEnv) -> None:
     # The fake rounds the pitch of a 1000-byte row up to 1024. 512Ki rows: 500 MiB asked,
     # 512 MiB handed out; with 512 MiB charged, another 512 MiB + 1 byte is over a 1 GiB cap.
-    r = shim.run("gpa2", ["init", "ctx", 0, "pitch", 1000, 512 * 1024, "used", 0, "alloc", 512 * M + 1,
-                          "alloc", 512 * M], limit="0=1G")
+    r = shim.run(
+        "gpa2",
+        ["init", "ctx", 0, "pitch", 1000, 512 * 1024, "used", 0, "alloc", 512 * M + 1, "alloc", 512 * M],
+        limit="0=1G",
+    )
     assert r.of("pitch")[0]["pitch"] == 1024
     assert r.of("used")[0]["bytes"] == 512 * M
     assert r.rcs("alloc") == [2, 0]
@@ -88,8 +137,28 @@ def test_pitch_past_the_cap_only_after_rounding_is_given_back(shim: ShimEnv) -> 
 
 @pytest.mark.parametrize("mode", ["link", "dlsym", "gpa", "gpa2"])
 def test_2000_era_abi_is_capped_with_its_32_bit_signatures(shim: ShimEnv, mode: str) -> None:
-    r = shim.run(mode, ["init", "ctx", 0, "where", "cuMemAlloc", "alloc", 768 * M, "alloc", 512 * M, "info",
-                        "total", 0, "free", "used", 0], limit="0=1G", version=2000)
+    r = shim.run(
+        mode,
+        [
+            "init",
+            "ctx",
+            0,
+            "where",
+            "cuMemAlloc",
+            "alloc",
+            768 * M,
+            "alloc",
+            512 * M,
+            "info",
+            "total",
+            0,
+            "free",
+            "used",
+            0,
+        ],
+        limit="0=1G",
+        version=2000,
+    )
     where = r.of("where")[0]
     assert (where["file"], where["sym"]) == ("libmpsshim.so", "cuMemAlloc")
     assert r.rcs("alloc") == [0, 2]
@@ -101,9 +170,31 @@ def test_2000_era_abi_is_capped_with_its_32_bit_signatures(shim: ShimEnv, mode: 
 
 @pytest.mark.parametrize("mode", ["gpa", "gpa2"])
 def test_per_thread_stream_variants_get_their_own_hooks(shim: ShimEnv, mode: str) -> None:
-    r = shim.run(mode, ["init", "ctx", 0, "where", "cuMemAllocAsync", "async", 768 * M, "async", 512 * M,
-                        "calls", "cuMemAllocAsync_ptsz", "calls", "cuMemAllocAsync", "free",
-                        "calls", "cuMemFreeAsync_ptsz", "used", 0], limit="0=1G", flags=2)
+    r = shim.run(
+        mode,
+        [
+            "init",
+            "ctx",
+            0,
+            "where",
+            "cuMemAllocAsync",
+            "async",
+            768 * M,
+            "async",
+            512 * M,
+            "calls",
+            "cuMemAllocAsync_ptsz",
+            "calls",
+            "cuMemAllocAsync",
+            "free",
+            "calls",
+            "cuMemFreeAsync_ptsz",
+            "used",
+            0,
+        ],
+        limit="0=1G",
+        flags=2,
+    )
     where = r.of("where")[0]
     assert (where["file"], where["sym"]) == ("libmpsshim.so", "cuMemAllocAsync_ptsz")
     assert r.rcs("async") == [0, 2]
@@ -121,18 +212,37 @@ VARIANTS = {
     "cuMemAllocPitch": [(3020, False, "cuMemAllocPitch_v2")],
     "cuMemAllocManaged": [(6000, False, "cuMemAllocManaged")],
     "cuMemAllocAsync": [(11020, False, "cuMemAllocAsync"), (11020, True, "cuMemAllocAsync_ptsz")],
-    "cuMemAllocFromPoolAsync": [(11020, False, "cuMemAllocFromPoolAsync"),
-                                (11020, True, "cuMemAllocFromPoolAsync_ptsz")],
+    "cuMemAllocFromPoolAsync": [
+        (11020, False, "cuMemAllocFromPoolAsync"),
+        (11020, True, "cuMemAllocFromPoolAsync_ptsz"),
+    ],
     "cuMemFreeAsync": [(11020, False, "cuMemFreeAsync"), (11020, True, "cuMemFreeAsync_ptsz")],
     "cuMemCreate": [(10020, False, "cuMemCreate")],
     "cuMemRelease": [(10020, False, "cuMemRelease")],
     "cuLaunchKernel": [(4000, False, "cuLaunchKernel"), (7000, True, "cuLaunchKernel_ptsz")],
     "cuDevicePrimaryCtxRetain": [(7000, False, "cuDevicePrimaryCtxRetain")],
 }
-HOOKED = {"cuInit", "cuMemAlloc", "cuMemAlloc_v2", "cuMemFree", "cuMemFree_v2", "cuMemGetInfo", "cuMemGetInfo_v2",
-          "cuDeviceTotalMem", "cuDeviceTotalMem_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync",
-          "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz", "cuMemFreeAsync",
-          "cuMemFreeAsync_ptsz", "cuMemCreate", "cuMemRelease"}
+HOOKED = {
+    "cuInit",
+    "cuMemAlloc",
+    "cuMemAlloc_v2",
+    "cuMemFree",
+    "cuMemFree_v2",
+    "cuMemGetInfo",
+    "cuMemGetInfo_v2",
+    "cuDeviceTotalMem",
+    "cuDeviceTotalMem_v2",
+    "cuMemAllocPitch_v2",
+    "cuMemAllocManaged",
+    "cuMemAllocAsync",
+    "cuMemAllocAsync_ptsz",
+    "cuMemAllocFromPoolAsync",
+    "cuMemAllocFromPoolAsync_ptsz",
+    "cuMemFreeAsync",
+    "cuMemFreeAsync_ptsz",
+    "cuMemCreate",
+    "cuMemRelease",
+}
 
 
 def expected_variant(base: str, version: int, flags: int) -> str | None:
@@ -149,7 +259,8 @@ def expected_variant(base: str, version: int, flags: int) -> str | None:
 @pytest.mark.parametrize("version", [2000, 3020, 11020, 12000])
 @pytest.mark.parametrize("flags", [0, 1, 2])
 def test_cuGetProcAddress_hands_out_the_hook_of_exactly_the_variant_asked_for(
-        shim: ShimEnv, mode: str, version: int, flags: int) -> None:
+    shim: ShimEnv, mode: str, version: int, flags: int
+) -> None:
     cmds: list[object] = []
     for base in VARIANTS:
         cmds += ["where", base]
@@ -173,11 +284,13 @@ def test_cuLaunchKernel_is_the_drivers_own_pointer(shim: ShimEnv, mode: str) -> 
     assert (line["file"], line["sym"], line["exact"]) == ("libcuda.so.1", "cuLaunchKernel", 1)
 
 
-@pytest.mark.parametrize(("mode", "version", "want"), [("gpa", 11030, "cuGetProcAddress"),
-                                                       ("gpa2", 12000, "cuGetProcAddress_v2"),
-                                                       ("gpa", 12000, "cuGetProcAddress_v2")])
+@pytest.mark.parametrize(
+    ("mode", "version", "want"),
+    [("gpa", 11030, "cuGetProcAddress"), ("gpa2", 12000, "cuGetProcAddress_v2"), ("gpa", 12000, "cuGetProcAddress_v2")],
+)
 def test_asking_cuGetProcAddress_for_itself_returns_the_wrapper(
-        shim: ShimEnv, mode: str, version: int, want: str) -> None:
+    shim: ShimEnv, mode: str, version: int, want: str
+) -> None:
     r = shim.run(mode, ["where", "cuGetProcAddress"], version=version)
     line = r.of("where")[0]
     assert (line["file"], line["sym"]) == ("libmpsshim.so", want)
@@ -193,16 +306,20 @@ def test_without_a_current_context_a_capped_process_refuses_with_the_context_err
 
 
 def test_limit_by_uuid_caps_only_that_device(shim: ShimEnv) -> None:
-    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", 2 * G, "ctx", 1, "alloc", 2 * G, "total", 0, "total", 1],
-                 limit="GPU-face0000-0000-0000-0000-000000000001=1G")
+    r = shim.run(
+        "gpa2",
+        ["init", "ctx", 0, "alloc", 2 * G, "ctx", 1, "alloc", 2 * G, "total", 0, "total", 1],
+        limit="GPU-face0000-0000-0000-0000-000000000001=1G",
+    )
     assert r.rcs("alloc") == [0, 2]
     assert [line["total"] for line in r.of("total")] == [16 * G, G]
 
 
 def test_driver_failure_rolls_the_charge_back(shim: ShimEnv) -> None:
     # cap 12G on an 8G device: the fake refuses 6G after 4G, and the shim must not keep it
-    r = shim.run("gpa2", ["init", "ctx", 1, "alloc", 4 * G, "alloc", 6 * G, "calls", "cuMemAlloc_v2", "usage", 1],
-                 limit="1=12G")
+    r = shim.run(
+        "gpa2", ["init", "ctx", 1, "alloc", 4 * G, "alloc", 6 * G, "calls", "cuMemAlloc_v2", "usage", 1], limit="1=12G"
+    )
     assert r.rcs("alloc") == [0, 2]
     assert r.of("calls")[0]["n"] == 2  # this refusal came from the driver
     assert r.of("usage")[0] == {"cmd": "usage", "rc": 0, "used": 4 * G, "cap": 12 * G}
@@ -210,8 +327,28 @@ def test_driver_failure_rolls_the_charge_back(shim: ShimEnv) -> None:
 
 
 def test_free_of_an_uncharged_pointer_is_forwarded_without_uncharging(shim: ShimEnv) -> None:
-    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", 256 * M, "ctx", 1, "alloc", G, "free", "calls", "cuMemFree_v2",
-                          "usage", 0, "usage", 1], limit="0=1G")
+    r = shim.run(
+        "gpa2",
+        [
+            "init",
+            "ctx",
+            0,
+            "alloc",
+            256 * M,
+            "ctx",
+            1,
+            "alloc",
+            G,
+            "free",
+            "calls",
+            "cuMemFree_v2",
+            "usage",
+            0,
+            "usage",
+            1,
+        ],
+        limit="0=1G",
+    )
     assert r.rcs("free") == [0]
     assert r.of("calls")[0]["n"] == 1
     assert [line["used"] for line in r.of("usage")] == [256 * M, 0]
@@ -221,8 +358,14 @@ def test_the_cap_is_shared_by_the_processes_of_one_region(shim: ShimEnv) -> None
     import subprocess
 
     env = shim.env("0=1G")
-    with subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "alloc", 768 * M, "pause", "free"]), env=env,
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as first:
+    with subprocess.Popen(
+        shim.argv("gpa2", ["init", "ctx", 0, "alloc", 768 * M, "pause", "free"]),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as first:
         assert first.stdout is not None and first.stdin is not None
         seen = [first.stdout.readline().strip() for _ in range(4)]
         assert seen[2:] == ["alloc rc=0", "pause rc=0"]
@@ -236,8 +379,7 @@ def test_the_cap_is_shared_by_the_processes_of_one_region(shim: ShimEnv) -> None
 
 def test_the_fake_as_its_makefile_builds_it_is_capped_too(shim: ShimEnv, plain_fake_dir) -> None:
     shim.fake = plain_fake_dir
-    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", 768 * M, "alloc", 512 * M, "calls", "cuMemAlloc_v2"],
-                 limit="0=1G")
+    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", 768 * M, "alloc", 512 * M, "calls", "cuMemAlloc_v2"], limit="0=1G")
     assert r.rcs("alloc") == [0, 2]
     assert r.of("calls")[0]["n"] == 1
 
@@ -245,8 +387,12 @@ def test_the_fake_as_its_makefile_builds_it_is_capped_too(shim: ShimEnv, plain_f
 @pytest.mark.parametrize("mode", MODES)
 def test_threads_racing_for_the_cap_never_pass_it_and_leave_nothing_charged(shim: ShimEnv, mode: str) -> None:
     # 8 threads each wanting 256 MiB under a 1 GiB cap: at most 4 can hold memory at a time
-    r = shim.run(mode, ["init", "ctx", 0, "hammer", 8, 2000, 256 * M, G, "used", 0, "usage", 0, "info"],
-                 limit="0=1G", extra={"MPSSHIM_LOG": "0"})
+    r = shim.run(
+        mode,
+        ["init", "ctx", 0, "hammer", 8, 2000, 256 * M, G, "used", 0, "usage", 0, "info"],
+        limit="0=1G",
+        extra={"MPSSHIM_LOG": "0"},
+    )
     h = r.of("hammer")[0]
     assert (h["over"], h["errors"]) == (0, 0)
     assert h["ok"] + h["refused"] == 8 * 2000 and h["ok"] > 0
@@ -259,8 +405,14 @@ def test_usage_above_a_smaller_cap_reports_zero_free_without_wrapping(shim: Shim
     import subprocess
 
     # two processes of one region with different caps: the first uses 1.5 GiB under 2 GiB
-    with subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "alloc", 1536 * M, "pause"]), env=shim.env("0=2G"),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as first:
+    with subprocess.Popen(
+        shim.argv("gpa2", ["init", "ctx", 0, "alloc", 1536 * M, "pause"]),
+        env=shim.env("0=2G"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as first:
         assert first.stdout is not None and first.stdin is not None
         assert [first.stdout.readline().strip() for _ in range(4)][2:] == ["alloc rc=0", "pause rc=0"]
         second = shim.run("gpa2", ["init", "ctx", 0, "info", "alloc", M, "nvmem", 0], limit="0=1G")

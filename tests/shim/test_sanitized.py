@@ -15,8 +15,9 @@ SAN_FLAGS = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sa
 
 @pytest.fixture(scope="module")
 def sanitized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    asan = Path(subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    asan = Path(
+        subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout.strip()
+    )
     if not asan.is_absolute() or not asan.exists():
         pytest.skip("the C compiler has no AddressSanitizer runtime")
     out = tmp_path_factory.mktemp("san") / "libmpsshim.so"
@@ -24,21 +25,67 @@ def sanitized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return asan, out
 
 
-SCRIPT = ["init", "ctx", 0, "alloc", 768 * M, "alloc", 512 * M, "info", "total", 0, "free",
-          "pitch", 1000, 4096, "managed", M, "async", M, "pool", M, "create", 0, M,
-          "free", "free", "free", "free", "free", "usage", 0, "nvmem", 0, "nvmem2", 0,
-          "hammer", 4, 500, 256 * M, G, "used", 0]
+SCRIPT = [
+    "init",
+    "ctx",
+    0,
+    "alloc",
+    768 * M,
+    "alloc",
+    512 * M,
+    "info",
+    "total",
+    0,
+    "free",
+    "pitch",
+    1000,
+    4096,
+    "managed",
+    M,
+    "async",
+    M,
+    "pool",
+    M,
+    "create",
+    0,
+    M,
+    "free",
+    "free",
+    "free",
+    "free",
+    "free",
+    "usage",
+    0,
+    "nvmem",
+    0,
+    "nvmem2",
+    0,
+    "hammer",
+    4,
+    500,
+    256 * M,
+    G,
+    "used",
+    0,
+]
 
 
 @pytest.mark.parametrize("mode", ["link", "dlsym", "gpa", "gpa2"])
 @pytest.mark.parametrize("limit", ["0=1G", "GPU-face0000-0000-0000-0000-000000000000=1G", "0=junk"])
-def test_main_scenarios_run_clean_under_sanitizers(shim: ShimEnv, sanitized: tuple[Path, Path], mode: str,
-                                                     limit: str) -> None:
+def test_main_scenarios_run_clean_under_sanitizers(
+    shim: ShimEnv, sanitized: tuple[Path, Path], mode: str, limit: str
+) -> None:
     asan, lib = sanitized
-    env = shim.env(limit, {"LD_PRELOAD": f"{asan} {lib}", "ASAN_OPTIONS": "detect_leaks=0:exitcode=86",
-                           "UBSAN_OPTIONS": "print_stacktrace=1:exitcode=87", "MPSSHIM_LOG": "3"})
-    proc = subprocess.run(shim.argv(mode, SCRIPT), env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
+    env = shim.env(
+        limit,
+        {
+            "LD_PRELOAD": f"{asan} {lib}",
+            "ASAN_OPTIONS": "detect_leaks=0:exitcode=86",
+            "UBSAN_OPTIONS": "print_stacktrace=1:exitcode=87",
+            "MPSSHIM_LOG": "3",
+        },
+    )
+    proc = subprocess.run(shim.argv(mode, SCRIPT), env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr
     if limit != "0=junk":
