@@ -197,10 +197,15 @@ MS_HIDDEN MS_NO_SANITIZE ms_dlsym_fn ms_real_dlsym_for_asm(void);
 MS_HIDDEN MS_NO_SANITIZE ms_dlsym_fn ms_real_dlsym_for_asm(void) { return ms_real_dlsym(); }
 
 #if defined(__x86_64__)
-__asm__(".text\n"
+#if defined(__CET__)
+#define MS_LANDING_PAD "    endbr64\n"
+#else
+#define MS_LANDING_PAD ""
+#endif
+__asm__(".pushsection .text\n"
         ".globl dlsym\n"
         ".type dlsym, @function\n"
-        "dlsym:\n"
+        "dlsym:\n" MS_LANDING_PAD
         "    cmpq $-1, %rdi\n" /* RTLD_NEXT */
         "    je 1f\n"
         "    jmp ms_dlsym_impl\n"
@@ -215,12 +220,18 @@ __asm__(".text\n"
         "    je 2f\n"
         "    jmp *%rax\n"
         "2:  ret\n" /* no glibc dlsym: NULL */
-        ".size dlsym, .-dlsym\n");
+        ".size dlsym, .-dlsym\n"
+        ".popsection\n");
 #elif defined(__aarch64__)
-__asm__(".text\n"
+#if defined(__ARM_FEATURE_BTI_DEFAULT)
+#define MS_LANDING_PAD "    bti c\n"
+#else
+#define MS_LANDING_PAD ""
+#endif
+__asm__(".pushsection .text\n"
         ".globl dlsym\n"
         ".type dlsym, %function\n"
-        "dlsym:\n"
+        "dlsym:\n" MS_LANDING_PAD
         "    cmn x0, #1\n" /* RTLD_NEXT */
         "    b.eq 1f\n"
         "    b ms_dlsym_impl\n"
@@ -235,7 +246,8 @@ __asm__(".text\n"
         "    br x16\n"
         "2:  mov x0, #0\n"
         "    ret\n"
-        ".size dlsym, .-dlsym\n");
+        ".size dlsym, .-dlsym\n"
+        ".popsection\n");
 #else
 #error "libmpsshim's dlsym override needs a tail-jump stub for this architecture (x86-64 and aarch64 exist)"
 #endif
