@@ -1,0 +1,92 @@
+"""csrc/track.c: the allocation tracker against a dict model, and under many threads."""
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.core.conftest import VARIANTS, LineProc, driver_env
+
+# Small key space (so adds hit existing keys and removes hit absent ones), both kinds, and
+# keys that differ only in high bits or only in kind.
+keys = st.sampled_from([0, 1, 2, 0x7F0000000000, 0x7F0000000200, 1 << 63, (1 << 64) - 1]) | st.integers(0, 40)
+adds = st.tuples(st.just("a"), st.integers(0, 1), keys, st.integers(0, 63), st.integers(0, (1 << 64) - 1))
+removes = st.tuples(st.just("r"), st.integers(0, 1), keys)
+programs = st.lists(adds | removes, max_size=200)
+
+
+@pytest.fixture(scope="module")
+def trackers(core_bin: Path) -> Iterator[list[LineProc]]:
+    """One driver per build; each example uses fresh keys by offsetting with a per-example base."""
+    procs = [LineProc([core_bin / f"track_test{v}", "ops"]) for v in VARIANTS]
+    yield procs
+    for p in procs:
+        assert p.close() == 0, p.stderr_text()
+
+
+def run_program(proc: LineProc, program: list[tuple[object, ...]]) -> None:
+    model: dict[tuple[int, int], tuple[int, int]] = {}
+    for op in program:
+        if op[0] == "a":
+            _, kind, key, dev, size = op
+            assert proc.ask(f"a {kind} {key} {dev} {size}") == "ok"
+            model[(kind, key)] = (dev, size)  # type: ignore[index]
+        else:
+            _, kind, key = op
+            want = model.pop((kind, key), None)  # type: ignore[arg-type]
+            assert proc.ask(f"r {kind} {key}") == ("0" if want is None else f"1 {want[0]} {want[1]}")
+    for (kind, key), (dev, size) in model.items():  # leave the table empty for the next example
+        assert proc.ask(f"r {kind} {key}") == f"1 {dev} {size}"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=programs)
+def test_matches_a_dict_model(trackers: list[LineProc], program: list[tuple[object, ...]]) -> None:
+    for proc in trackers:
+        run_program(proc, program)
+
+
+def ask_many(proc: LineProc, lines: list[str]) -> list[str]:
+    """Pipelined in chunks small enough that neither pipe fills while the other waits."""
+    assert proc.proc.stdin is not None and proc.proc.stdout is not None
+    answers: list[str] = []
+    for at in range(0, len(lines), 500):
+        chunk = lines[at : at + 500]
+        proc.proc.stdin.write(("\n".join(chunk) + "\n").encode())
+        proc.proc.stdin.flush()
+        answers += [proc.proc.stdout.readline().decode().rstrip("\n") for _ in chunk]
+    return answers
+
+
+def test_grows_and_shrinks_through_many_keys(trackers: list[LineProc]) -> None:
+    """20000 live keys (every shard grows several times), then all removed."""
+    n = 20000
+    base = 0x7F0000000000
+    for proc in trackers:
+        assert ask_many(proc, [f"a {i & 1} {base + i * 512} {i % 8} {i + 1}" for i in range(n)]) == ["ok"] * n
+        got = ask_many(proc, [f"r {i & 1} {base + i * 512}" for i in range(n)])
+        assert got == [f"1 {i % 8} {i + 1}" for i in range(n)]
+        assert proc.ask(f"r 0 {base}") == "0"
+        assert proc.ask(f"r 1 {base + 512}") == "0"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_many_threads_with_keys_handed_between_them(core_bin: Path, variant: str) -> None:
+    """8 threads add and remove; some keys are freed by another thread than the one that added
+    them (as a framework's allocator thread may). Every remove must find exactly what was added."""
+    ops = "300000" if variant == "" else "60000"
+    proc = subprocess.run(
+        [core_bin / f"track_test{variant}", "threads", "8", ops, "7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=driver_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok adds=")
+    adds = int(proc.stdout.split("adds=")[1].split()[0])
+    assert adds > 8 * int(ops) // 3
