@@ -29,49 +29,15 @@
 #include "region.h"
 
 #include <errno.h>
-#include <stddef.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-
-/* --- the file layout (bump MS_LAYOUT_VERSION on any change) --- */
-
-#define MS_MAGIC "MPSSHMRG"
-#define MS_LAYOUT_VERSION 1
-#define MS_SLOTS MS_SNAPSHOT_MAX_PROCS
-/* Guards against a file written by another ABI (e.g. aarch64, where the mutex is 48 bytes). */
-#define MS_ABI ((uint32_t)(sizeof(pthread_mutex_t) << 16 | sizeof(void *) << 8 | MS_MAX_DEVICES))
-
-enum { MS_SLOT_FREE = 0, MS_SLOT_CLAIMED = 1 };
-
-typedef struct ms_slot {
-    int32_t pid; /* as the owner saw itself (informational: liveness is the file lock) */
-    uint32_t state;
-    uint64_t used[MS_MAX_DEVICES];
-} __attribute__((aligned(64))) ms_slot;
-
-typedef struct ms_hdr {
-    char magic[8];
-    uint32_t version, abi;
-    uint64_t file_size;
-    uint32_t nslots, ndevices;
-    uint64_t recoveries; /* EOWNERDEAD recoveries */
-    uint64_t reclaimed;  /* dead slots given back */
-    uint64_t clamped;    /* uncharges of more than the process held */
-    union {
-        pthread_mutex_t m;
-        char pad[64];
-    } mutex __attribute__((aligned(64)));
-    uint64_t used[MS_MAX_DEVICES];
-    uint64_t cap[MS_MAX_DEVICES];
-    ms_slot slot[MS_SLOTS];
-} ms_hdr;
 
 #define MS_SLOT_OFF(i) (offsetof(ms_hdr, slot) + (size_t)(i) * sizeof(ms_slot))
 
@@ -153,8 +119,15 @@ struct ms_region {
     unsigned long forkgen; /* ms_forkgen when the slot was claimed */
 };
 
-static void ms_atfork_child(void) { __atomic_add_fetch(&ms_forkgen, 1, __ATOMIC_RELAXED); }
-static void ms_init_once(void) { pthread_atfork(NULL, NULL, ms_atfork_child); }
+/* The registry lock is held across fork so a child never inherits it locked by a thread that
+ * does not exist in the child. */
+static void ms_atfork_prepare(void) { pthread_mutex_lock(&ms_reg_lock); }
+static void ms_atfork_parent(void) { pthread_mutex_unlock(&ms_reg_lock); }
+static void ms_atfork_child(void) {
+    __atomic_add_fetch(&ms_forkgen, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&ms_reg_lock);
+}
+static void ms_init_once(void) { pthread_atfork(ms_atfork_prepare, ms_atfork_parent, ms_atfork_child); }
 
 static uint64_t ms_ld(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 static void ms_st(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
@@ -236,7 +209,7 @@ static int ms_claim_locked(ms_region *r) {
     for (int i = 0; i < MS_SLOTS; i++) {
         if (h->slot[i].state != MS_SLOT_FREE) continue;
         struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
-        if (fcntl(r->fd, F_SETLK, &fl) != 0) continue; /* a dying process still holds it */
+        if (fcntl(r->fd, F_SETLK, &fl) != 0) continue; /* a dying process still holds it (errno kept) */
         ms_slot *s = &h->slot[i];
         for (int d = 0; d < MS_MAX_DEVICES; d++) ms_st(&s->used[d], 0);
         s->pid = (int32_t)getpid();
@@ -313,89 +286,77 @@ int ms_region_reclaim(ms_region *r) {
 
 /* --- opening --- */
 
+static void ms_release(int fd, void *map) {
+    if (map != NULL && map != MAP_FAILED) munmap(map, sizeof(ms_hdr));
+    if (fd >= 0) close(fd);
+}
+
+/* Formats a one-line reason into err, releases the fd and mapping if given; returns -1. */
+__attribute__((format(printf, 5, 6))) static int ms_fail(char *err, size_t errlen, int fd, void *map,
+                                                         const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    ms_release(fd, map);
+    return -1;
+}
+
 static int ms_create(const char *path, char *err, size_t errlen) {
     static unsigned long seq;
     char tmp[4096];
     int n = snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%lu", path, (long)getpid(),
                      __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
-    if (n < 0 || (size_t)n >= sizeof tmp) {
-        snprintf(err, errlen, "region path %.200s is too long", path);
-        return -1;
-    }
+    if (n < 0 || (size_t)n >= sizeof tmp) return ms_fail(err, errlen, -1, NULL, "region path %.200s is too long", path);
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666); /* the umask applies */
-    if (fd < 0) {
-        snprintf(err, errlen, "cannot create region %.200s: %s", tmp, strerror(errno));
-        return -1;
-    }
-    int rc = -1;
+    if (fd < 0) return ms_fail(err, errlen, -1, NULL, "cannot create region %.200s: %s", tmp, strerror(errno));
     void *map = MAP_FAILED;
-    if (ftruncate(fd, (off_t)sizeof(ms_hdr)) != 0) {
-        snprintf(err, errlen, "cannot size region %.200s: %s", tmp, strerror(errno));
-        goto out;
-    }
-    map = mmap(NULL, sizeof(ms_hdr), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map region %.200s: %s", tmp, strerror(errno));
-        goto out;
-    }
-    ms_hdr *h = map;
+    int rc = -1;
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
     pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    int mrc = pthread_mutex_init(&h->mutex.m, &a);
+    if (ftruncate(fd, (off_t)sizeof(ms_hdr)) != 0 ||
+        (map = mmap(NULL, sizeof(ms_hdr), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        ms_fail(err, errlen, -1, NULL, "cannot size or map region %.200s: %s", tmp, strerror(errno));
+    } else if ((rc = pthread_mutex_init(&((ms_hdr *)map)->mutex.m, &a)) != 0) {
+        ms_fail(err, errlen, -1, NULL, "cannot initialise the region lock: %s", strerror(rc));
+        rc = -1;
+    } else {
+        ms_layout_fill(map);
+        /* link(2) fails if the name exists: then another process won the race, and its file
+         * (complete, like ours) is the one everybody opens. */
+        if (link(tmp, path) != 0 && errno != EEXIST)
+            rc = ms_fail(err, errlen, -1, NULL, "cannot publish region %.200s: %s", path, strerror(errno));
+    }
     pthread_mutexattr_destroy(&a);
-    if (mrc != 0) {
-        snprintf(err, errlen, "cannot initialise the region lock: %s", strerror(mrc));
-        goto out;
-    }
-    ms_layout_fill(h);
-    if (link(tmp, path) != 0 && errno != EEXIST) { /* EEXIST: another process won the race */
-        snprintf(err, errlen, "cannot publish region %.200s: %s", path, strerror(errno));
-        goto out;
-    }
-    rc = 0;
-out:
-    if (map != MAP_FAILED) munmap(map, sizeof(ms_hdr));
     unlink(tmp);
-    close(fd);
+    ms_release(fd, map);
     return rc;
 }
 
-/* Open (creating if missing) and validate; returns the fd and mapping. */
+/* Open (creating if missing when writable) and validate; the fd and mapping on success. */
 static int ms_map(const char *path, int writable, int *fdp, ms_hdr **hp, char *err, size_t errlen) {
     int fd = -1;
     for (int attempt = 0; fd < 0; attempt++) {
         fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
         if (fd >= 0) break;
-        if (errno != ENOENT || !writable || attempt == 3) {
-            snprintf(err, errlen, "cannot open region %.200s: %s", path, strerror(errno));
-            return -1;
-        }
+        if (errno != ENOENT || !writable || attempt == 3)
+            return ms_fail(err, errlen, -1, NULL, "cannot open region %.200s: %s", path, strerror(errno));
         if (ms_create(path, err, errlen) != 0) return -1;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        snprintf(err, errlen, "region %.200s is not a regular file", path);
-        close(fd);
-        return -1;
-    }
-    if ((uint64_t)st.st_size != sizeof(ms_hdr)) {
-        snprintf(err, errlen,
-                 "region %.200s is %lld bytes, expected %zu (truncated, or not written by this shim's layout %d)",
-                 path, (long long)st.st_size, sizeof(ms_hdr), MS_LAYOUT_VERSION);
-        close(fd);
-        return -1;
-    }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        return ms_fail(err, errlen, fd, NULL, "region %.200s is not a regular file", path);
+    if ((uint64_t)st.st_size != sizeof(ms_hdr))
+        return ms_fail(err, errlen, fd, NULL,
+                       "region %.200s is %lld bytes, expected %zu (truncated, or not this shim's layout %d)", path,
+                       (long long)st.st_size, sizeof(ms_hdr), MS_LAYOUT_VERSION);
     void *map = mmap(NULL, sizeof(ms_hdr), PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map region %.200s: %s", path, strerror(errno));
-        close(fd);
-        return -1;
-    }
+    if (map == MAP_FAILED)
+        return ms_fail(err, errlen, fd, NULL, "cannot map region %.200s: %s", path, strerror(errno));
     if (ms_layout_check(map, path, err, errlen) != 0) {
-        munmap(map, sizeof(ms_hdr));
-        close(fd);
+        ms_release(fd, map);
         return -1;
     }
     *fdp = fd;
@@ -411,62 +372,54 @@ static ms_region *ms_reg_find(const char *path) {
     return NULL;
 }
 
+/* Under the region mutex, for a new handle: check, reclaim, claim. 0 or -1 with a reason. */
+static int ms_join_locked(ms_region *r, const char *path, char *err, size_t errlen) {
+    if (ms_check_totals(r->hdr, path, err, errlen) != 0) return -1;
+    ms_reclaim_locked(r);
+    errno = 0;
+    if (ms_claim_locked(r) == 0) return 0;
+    if (errno != 0 && errno != EAGAIN && errno != EACCES)
+        return ms_fail(err, errlen, -1, NULL, "cannot lock a process slot in region %.200s: %s (POSIX record locks needed)",
+                       path, strerror(errno));
+    return ms_fail(err, errlen, -1, NULL, "region %.200s: all %d process slots are held by live processes", path,
+                   MS_SLOTS);
+}
+
 int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen) {
     char dummy[1];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
     err[0] = '\0';
-    if (path == NULL || path[0] == '\0' || out == NULL) {
-        snprintf(err, errlen, "no region path given");
-        return -1;
-    }
+    if (path == NULL || path[0] == '\0' || out == NULL) return ms_fail(err, errlen, -1, NULL, "no region path given");
     pthread_once(&ms_once, ms_init_once);
     pthread_mutex_lock(&ms_reg_lock);
     ms_region *r = ms_reg_find(path);
+    int rc = 0;
     if (r != NULL) {
         r->refs++;
-        pthread_mutex_unlock(&ms_reg_lock);
-        *out = r;
-        return 0;
-    }
-    r = calloc(1, sizeof *r);
-    struct stat st;
-    if (r == NULL || ms_map(path, 1, &r->fd, &r->hdr, err, errlen) != 0) {
-        if (r == NULL) snprintf(err, errlen, "out of memory opening region %.200s", path);
-        free(r);
-        pthread_mutex_unlock(&ms_reg_lock);
-        return -1;
-    }
-    fstat(r->fd, &st);
-    r->st_dev = st.st_dev;
-    r->st_ino = st.st_ino;
-    r->refs = 1;
-    r->slot = -1;
-    r->forkgen = ~0UL;
-    int rc = ms_lock(r);
-    if (rc == 0) {
-        rc = ms_check_totals(r->hdr, path, err, errlen);
-        if (rc == 0) {
-            ms_reclaim_locked(r);
-            rc = ms_claim_locked(r);
-            if (rc != 0)
-                snprintf(err, errlen, "region %.200s: all %d process slots are held by live processes", path, MS_SLOTS);
-        }
-        pthread_mutex_unlock(&r->hdr->mutex.m);
+    } else if ((r = calloc(1, sizeof *r)) == NULL) {
+        rc = ms_fail(err, errlen, -1, NULL, "out of memory opening region %.200s", path);
+    } else if (ms_map(path, 1, &r->fd, &r->hdr, err, errlen) != 0) {
+        rc = -1;
     } else {
-        snprintf(err, errlen, "region %.200s: its lock is unusable (%s); the file is corrupted", path, strerror(rc));
+        struct stat st;
+        fstat(r->fd, &st);
+        *r = (ms_region){.next = ms_reg_head, .refs = 1, .fd = r->fd, .st_dev = st.st_dev, .st_ino = st.st_ino,
+                         .hdr = r->hdr, .slot = -1, .forkgen = ~0UL};
+        int lrc = ms_lock(r);
+        if (lrc != 0) {
+            rc = ms_fail(err, errlen, -1, NULL, "region %.200s: its lock is unusable (%s); the file is corrupted",
+                         path, strerror(lrc));
+        } else {
+            rc = ms_join_locked(r, path, err, errlen);
+            pthread_mutex_unlock(&r->hdr->mutex.m);
+        }
+        if (rc == 0) ms_reg_head = r;
+        else ms_release(r->fd, r->hdr);
     }
-    if (rc != 0) {
-        munmap(r->hdr, sizeof(ms_hdr));
-        close(r->fd);
-        free(r);
-        pthread_mutex_unlock(&ms_reg_lock);
-        return -1;
-    }
-    r->next = ms_reg_head;
-    ms_reg_head = r;
+    if (rc != 0) free(r), r = NULL;
     pthread_mutex_unlock(&ms_reg_lock);
     *out = r;
-    return 0;
+    return rc;
 }
 
 void ms_region_close(ms_region *r) {

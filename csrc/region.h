@@ -13,6 +13,7 @@
 #ifndef MPSSHIM_REGION_H
 #define MPSSHIM_REGION_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -61,5 +62,47 @@ typedef struct ms_snapshot {
 } ms_snapshot;
 
 int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen);
+
+/* --- The file (layout version 1; bump MS_LAYOUT_VERSION on any change) ---
+ * A header, then MS_SLOTS process slots; the whole file is sizeof(ms_hdr) bytes. Invariant
+ * under the mutex: used[d] == the sum of slot[i].used[d] over claimed slots. A slot's owner
+ * holds a POSIX write lock on the slot's first byte for as long as it lives. */
+#define MS_MAGIC "MPSSHMRG"
+#define MS_LAYOUT_VERSION 1
+#define MS_SLOTS MS_SNAPSHOT_MAX_PROCS
+/* Refuses a file written under another ABI (e.g. aarch64, where the mutex is 48 bytes). */
+#define MS_ABI ((uint32_t)(sizeof(pthread_mutex_t) << 16 | sizeof(void *) << 8 | MS_MAX_DEVICES))
+
+enum { MS_SLOT_FREE = 0, MS_SLOT_CLAIMED = 1 };
+
+typedef struct ms_slot {
+    int32_t pid; /* as the owner saw itself (informational: liveness is the file lock) */
+    uint32_t state;
+    uint64_t used[MS_MAX_DEVICES];
+} __attribute__((aligned(64))) ms_slot;
+
+typedef struct ms_hdr {
+    char magic[8];
+    uint32_t version, abi;
+    uint64_t file_size;
+    uint32_t nslots, ndevices;
+    uint64_t recoveries; /* EOWNERDEAD recoveries */
+    uint64_t reclaimed;  /* dead slots given back */
+    uint64_t clamped;    /* uncharges of more than the process held */
+    union {
+        pthread_mutex_t m; /* robust, process-shared */
+        char pad[64];
+    } mutex __attribute__((aligned(64)));
+    uint64_t used[MS_MAX_DEVICES];
+    uint64_t cap[MS_MAX_DEVICES];
+    ms_slot slot[MS_SLOTS];
+} ms_hdr;
+
+/* tests/core/test_region.py edits files at these offsets */
+_Static_assert(offsetof(ms_hdr, version) == 8, "layout");
+_Static_assert(offsetof(ms_hdr, recoveries) == 32, "layout");
+_Static_assert(offsetof(ms_hdr, used) == 128, "layout");
+_Static_assert(sizeof(ms_slot) == 576 && offsetof(ms_slot, state) == 4, "layout");
+_Static_assert(sizeof(ms_hdr) == 128 + 2 * 8 * MS_MAX_DEVICES + MS_SLOTS * sizeof(ms_slot), "layout");
 
 #endif
