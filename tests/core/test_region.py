@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.core.conftest import VARIANTS, LineProc, driver_env
 
@@ -321,3 +323,87 @@ def test_threads_and_processes_never_overshoot(core_bin: Path, repl: Repl, tmp_p
     assert polls > 10 and seen > cap // 2
     s = snap(observer, path)
     assert s["used0"] == 0 and s["procs"] == []
+
+
+# --- property: the region against a model, with real processes dying ---
+
+CAPS = [0, 100, 1000, MAX]
+ops = st.one_of(
+    st.tuples(st.just("charge"), st.integers(0, 2), st.integers(0, 1), st.sampled_from(CAPS), st.integers(0, 700)),
+    st.tuples(st.just("uncharge"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 700)),
+    st.tuples(st.just("kill"), st.integers(0, 2)),
+    st.tuples(st.just("reclaim"), st.integers(0, 2)),
+)
+
+
+class Model:
+    """What the region must do: one total per device over every slot not yet reclaimed."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, list[int]] = {}  # process index -> used per device
+        self.dead: set[int] = set()
+
+    def total(self, dev: int) -> int:
+        return sum(used[dev] for used in self.slots.values())
+
+    def reclaim(self) -> int:
+        for p in self.dead & self.slots.keys():
+            del self.slots[p]
+        n = len(self.dead)
+        self.dead = set()
+        return n
+
+    def open(self, p: int) -> None:
+        self.reclaim()
+        self.slots[p] = [0, 0]
+
+    def charge(self, p: int, dev: int, cap: int, n: int) -> str:
+        if self.total(dev) + n > cap:
+            self.reclaim()
+            if self.total(dev) + n > cap:
+                return f"over {self.total(dev)}"
+        self.slots[p][dev] += n
+        return f"ok {self.total(dev)}"
+
+    def uncharge(self, p: int, dev: int, n: int) -> str:
+        take = min(n, self.slots[p][dev])
+        self.slots[p][dev] -= take
+        return f"left {n - take}"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=st.lists(ops, max_size=25))
+def test_matches_a_model_with_processes_dying(core_bin: Path, tmp_path_factory: pytest.TempPathFactory,
+                                              program: list[tuple[object, ...]]) -> None:
+    path = tmp_path_factory.mktemp("prop") / "region"
+    model = Model()
+    procs: dict[int, LineProc] = {}
+
+    def proc(i: int) -> LineProc:
+        if i not in procs:
+            procs[i] = LineProc([core_bin / "region_cli_san", "repl"])
+            assert procs[i].ask(f"open {path}") == "ok"
+            model.open(i)
+        return procs[i]
+
+    try:
+        for op in program:
+            kind, i = op[0], int(op[1])  # type: ignore[call-overload]
+            if kind == "charge":
+                _, _, dev, cap, n = op
+                assert proc(i).ask(f"charge {dev} {cap} {n}") == model.charge(i, dev, cap, n)  # type: ignore[arg-type]
+            elif kind == "uncharge":
+                _, _, dev, n = op
+                assert proc(i).ask(f"uncharge {dev} {n}") == model.uncharge(i, dev, n)  # type: ignore[arg-type]
+            elif kind == "kill" and i in procs:
+                procs.pop(i).kill()
+                model.dead.add(i)
+            elif kind == "reclaim":
+                p = proc(i)
+                assert p.ask("reclaim") == str(model.reclaim())
+            for dev in (0, 1):
+                if procs:
+                    assert next(iter(procs.values())).ask(f"used {dev}") == str(model.total(dev))
+    finally:
+        for p in procs.values():
+            assert p.close() == 0, p.stderr_text()
