@@ -58,11 +58,18 @@ int main(int argc, char **argv) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }
-    printf("region charge+uncharge, 1 thread:   %.1f ns/pair\n", run(region_loop, 1));
-    printf("region charge+uncharge, %d threads: %.1f ns/pair (wall time per pair per thread)\n", nthreads,
-           run(region_loop, nthreads));
-    printf("track add+remove, 1 thread:         %.1f ns/pair\n", run(track_loop, 1));
-    printf("track add+remove, %d threads:       %.1f ns/pair\n", nthreads, run(track_loop, nthreads));
+    /* With N threads: "per thread" is the wall time each thread took per pair (latency under
+     * contention), "aggregate" is wall time divided by all pairs done (inverse throughput). */
+    double r1 = run(region_loop, 1), rn = run(region_loop, nthreads);
+    double t1 = run(track_loop, 1), tn = run(track_loop, nthreads);
+    printf("region charge+uncharge  1 thread : %7.1f ns/pair\n", r1);
+    printf("region charge+uncharge %2d threads: %7.1f ns/pair per thread, %6.1f ns/pair aggregate\n", nthreads,
+           rn * nthreads, rn);
+    printf("track add+remove        1 thread : %7.1f ns/pair\n", t1);
+    printf("track add+remove       %2d threads: %7.1f ns/pair per thread, %6.1f ns/pair aggregate\n", nthreads,
+           tn * nthreads, tn);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    printf("(%ld online CPUs, %ld pairs per thread)\n", cpus, iters);
     ms_region_close(reg);
     if (argc <= 1) unlink(path);
     return 0;
