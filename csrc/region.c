@@ -11,19 +11,24 @@
  *    SIGKILL between updating the total and the slot, which of the two happened; the mutex
  *    can: its next owner gets EOWNERDEAD and rebuilds the totals from the slots, which makes
  *    the invariant true again whatever step the dead owner was at.
- *  - Liveness of a slot is a POSIX fcntl write lock its owner holds on one byte of the file
- *    (the slot's first byte) for its lifetime. The kernel drops it when the process dies,
- *    whatever the PID namespace, so PID reuse cannot fool it; POSIX (not OFD) locks are not
- *    inherited by fork, so a child can never keep a dead parent's slot alive. Others test it
- *    with F_GETLK. Caveat of POSIX locks: closing ANY descriptor of the file drops them, so
- *    this process never opens the file twice (handles are shared per inode, see ms_reg_*).
+ *  - Liveness of a slot is an open-file-description (OFD) fcntl write lock its owner holds on
+ *    one byte of the file (the slot's first byte) for its lifetime; others test it with
+ *    F_OFD_GETLK. The kernel drops it when the process dies, whatever the PID namespace, so
+ *    PID reuse cannot fool it. Why OFD and not classic POSIX locks: a POSIX lock is dropped
+ *    when the process closes ANY descriptor of the file, e.g. when a second copy of this
+ *    library (cffi dlopen from another path in a preloaded process) reads a snapshot, or the
+ *    program itself reads the file; the process would then look dead while it holds memory.
+ *    An OFD lock lives as long as its open file description, which a forked child shares
+ *    through the inherited descriptor and mapping; so an atfork child handler gives the child
+ *    its own descriptor and mapping: a long-lived child never keeps a dead parent's slot
+ *    alive. (A child made by a raw clone() that skips atfork handlers would, until it execs.)
  *  - Dead slots are reclaimed (their bytes subtracted from the totals) when a charge would be
  *    refused, on open, and on ms_region_reclaim. The kernel releases robust futexes before
  *    file locks when a process exits, so an EOWNERDEAD recovery may still see the dead owner's
  *    file lock: its slot stays counted (consistently) until the next reclaim.
- *  - fork: the child is a new process with no file lock. An atfork handler bumps a generation
- *    number; a handle whose generation is stale claims a new slot before its next charge
- *    (one load and compare on the fast path, no getpid() syscall).
+ *  - fork: the child is a new process. The atfork handler also bumps a generation number; a
+ *    handle whose generation is stale reopens the file and claims a new slot before its next
+ *    charge (one load and compare on the fast path, no getpid() syscall).
  *  - The file is built under a temporary name and published with link(2), which fails if
  *    the name exists: racing first openers never see a half-initialised region. */
 #include "region.h"
@@ -111,7 +116,8 @@ static ms_region *ms_reg_head;
 struct ms_region {
     ms_region *next;
     int refs;
-    int fd;
+    int fd;       /* -1 in a forked child that could not reopen the file */
+    char *path;   /* to reopen after fork */
     dev_t st_dev;
     ino_t st_ino;
     ms_hdr *hdr;
@@ -120,11 +126,30 @@ struct ms_region {
 };
 
 /* The registry lock is held across fork so a child never inherits it locked by a thread that
- * does not exist in the child. */
+ * does not exist in the child, and the child handler can walk the registry. */
 static void ms_atfork_prepare(void) { pthread_mutex_lock(&ms_reg_lock); }
 static void ms_atfork_parent(void) { pthread_mutex_unlock(&ms_reg_lock); }
+/* In the child, each handle gets a descriptor and a mapping of its own (the inherited mapping
+ * references the parent's open file description just as the descriptor does, and either would
+ * keep the parent's liveness lock alive). The new mapping replaces the old one at the same
+ * address; if the file cannot be reopened, a private zero page stands in and the handle is
+ * dead in the child (charges there are errors). Only the forking thread runs here. */
 static void ms_atfork_child(void) {
     __atomic_add_fetch(&ms_forkgen, 1, __ATOMIC_RELAXED);
+    for (ms_region *r = ms_reg_head; r; r = r->next) {
+        struct stat st;
+        int fd = open(r->path, O_RDWR | O_CLOEXEC);
+        void *m = MAP_FAILED;
+        if (fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == r->st_dev && st.st_ino == r->st_ino)
+            m = mmap(r->hdr, sizeof(ms_hdr), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+        if (m == MAP_FAILED) {
+            mmap(r->hdr, sizeof(ms_hdr), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (fd >= 0) close(fd);
+            fd = -1;
+        }
+        if (r->fd >= 0) close(r->fd);
+        r->fd = fd;
+    }
     pthread_mutex_unlock(&ms_reg_lock);
 }
 static void ms_init_once(void) { pthread_atfork(ms_atfork_prepare, ms_atfork_parent, ms_atfork_child); }
@@ -136,10 +161,10 @@ static int ms_bound(const ms_region *r) {
     return __atomic_load_n(&r->forkgen, __ATOMIC_ACQUIRE) == __atomic_load_n(&ms_forkgen, __ATOMIC_RELAXED);
 }
 
-/* 1 if some other process holds the slot's liveness lock (or the test cannot be made). */
+/* 1 if another open file description holds the slot's liveness lock (or the test fails). */
 static int ms_slot_alive(int fd, int i) {
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
-    if (fcntl(fd, F_GETLK, &fl) != 0) return 1;
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return 1;
     return fl.l_type != F_UNLCK;
 }
 
@@ -209,7 +234,7 @@ static int ms_claim_locked(ms_region *r) {
     for (int i = 0; i < MS_SLOTS; i++) {
         if (h->slot[i].state != MS_SLOT_FREE) continue;
         struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
-        if (fcntl(r->fd, F_SETLK, &fl) != 0) continue; /* a dying process still holds it (errno kept) */
+        if (fcntl(r->fd, F_OFD_SETLK, &fl) != 0) continue; /* a dying process still holds it (errno kept) */
         ms_slot *s = &h->slot[i];
         for (int d = 0; d < MS_MAX_DEVICES; d++) ms_st(&s->used[d], 0);
         s->pid = (int32_t)getpid();
@@ -221,15 +246,18 @@ static int ms_claim_locked(ms_region *r) {
     return -1;
 }
 
-/* A forked child's first use of an inherited handle: claim a slot of its own. */
+/* A forked child's first use of an inherited handle: a slot of its own. */
 static int ms_rebind(ms_region *r) {
-    if (ms_lock(r) != 0) return -1;
-    int rc = 0;
-    if (!ms_bound(r)) {
+    int rc = -1;
+    pthread_mutex_lock(&ms_reg_lock);
+    if (ms_bound(r)) {
+        rc = 0;
+    } else if (r->fd >= 0 && ms_lock(r) == 0) { /* fd < 0: the child could not reopen the file */
         rc = ms_claim_locked(r);
         if (rc != 0 && ms_reclaim_locked(r) > 0) rc = ms_claim_locked(r);
+        ms_unlock(r);
     }
-    ms_unlock(r);
+    pthread_mutex_unlock(&ms_reg_lock);
     return rc;
 }
 
@@ -403,10 +431,12 @@ int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen) 
     } else {
         struct stat st;
         fstat(r->fd, &st);
-        *r = (ms_region){.next = ms_reg_head, .refs = 1, .fd = r->fd, .st_dev = st.st_dev, .st_ino = st.st_ino,
-                         .hdr = r->hdr, .slot = -1, .forkgen = ~0UL};
-        int lrc = ms_lock(r);
-        if (lrc != 0) {
+        *r = (ms_region){.next = ms_reg_head, .refs = 1, .fd = r->fd, .path = strdup(path), .st_dev = st.st_dev,
+                         .st_ino = st.st_ino, .hdr = r->hdr, .slot = -1, .forkgen = ~0UL};
+        int lrc = r->path ? ms_lock(r) : 0;
+        if (r->path == NULL) {
+            rc = ms_fail(err, errlen, -1, NULL, "out of memory opening region %.200s", path);
+        } else if (lrc != 0) {
             rc = ms_fail(err, errlen, -1, NULL, "region %.200s: its lock is unusable (%s); the file is corrupted",
                          path, strerror(lrc));
         } else {
@@ -414,7 +444,7 @@ int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen) 
             pthread_mutex_unlock(&r->hdr->mutex.m);
         }
         if (rc == 0) ms_reg_head = r;
-        else ms_release(r->fd, r->hdr);
+        else ms_release(r->fd, r->hdr), free(r->path);
     }
     if (rc != 0) free(r), r = NULL;
     pthread_mutex_unlock(&ms_reg_lock);
@@ -439,8 +469,8 @@ void ms_region_close(ms_region *r) {
         ms_release_slot(r->hdr, r->slot);
         ms_unlock(r);
     }
-    munmap(r->hdr, sizeof(ms_hdr));
-    close(r->fd); /* drops the liveness lock */
+    ms_release(r->fd, r->hdr); /* closing drops the liveness lock */
+    free(r->path);
     free(r);
 }
 
@@ -450,23 +480,13 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
     char dummy[1];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
     err[0] = '\0';
-    if (path == NULL || out == NULL) {
-        snprintf(err, errlen, "no region path given");
-        return -1;
-    }
+    if (path == NULL || out == NULL) return ms_fail(err, errlen, -1, NULL, "no region path given");
     memset(out, 0, sizeof *out);
-    /* If this process has the region open, read through that mapping: opening and closing a
-     * second descriptor would drop this process's liveness lock. */
-    pthread_mutex_lock(&ms_reg_lock);
-    ms_region *own = ms_reg_find(path);
-    int fd = -1, own_slot = -1;
+    /* A descriptor of our own (closing it drops no OFD lock), so even this process's own slot,
+     * held through another descriptor, is tested like any other. */
+    int fd;
     ms_hdr *h;
-    if (own != NULL) {
-        fd = own->fd, h = own->hdr, own_slot = ms_bound(own) ? own->slot : -1;
-    } else if (ms_map(path, 0, &fd, &h, err, errlen) != 0) {
-        pthread_mutex_unlock(&ms_reg_lock);
-        return -1;
-    }
+    if (ms_map(path, 0, &fd, &h, err, errlen) != 0) return -1;
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);
@@ -476,13 +496,9 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
         if (__atomic_load_n(&h->slot[i].state, __ATOMIC_ACQUIRE) != MS_SLOT_CLAIMED) continue;
         ms_proc_usage *p = &out->procs[out->nprocs++];
         p->pid = h->slot[i].pid;
-        p->alive = (i == own_slot) ? 1 : ms_slot_alive(fd, i);
+        p->alive = ms_slot_alive(fd, i);
         for (int d = 0; d < MS_MAX_DEVICES; d++) p->used[d] = ms_ld(&h->slot[i].used[d]);
     }
-    if (own == NULL) {
-        munmap(h, sizeof(ms_hdr));
-        close(fd);
-    }
-    pthread_mutex_unlock(&ms_reg_lock);
+    ms_release(fd, h);
     return 0;
 }

@@ -4,6 +4,8 @@
  *       one command per stdin line, one answer per stdout line:
  *       open PATH | charge DEV CAP BYTES | uncharge DEV BYTES | used DEV | reclaim | close
  *       snapshot PATH | pid | forkcharge DEV CAP BYTES | cloexec PATH
+ *       touchfd PATH (open and close another descriptor of PATH, as a second library copy would)
+ *       forksleep (fork a child that never touches the region and sleeps; prints its pid)
  *   region_cli stress PATH CAP THREADS SECONDS SEED
  *       THREADS threads charge and uncharge random sizes on device 0 for SECONDS, checking after
  *       every charge that the region's total is within CAP; at the end give everything back.
@@ -138,6 +140,15 @@ static int repl(void) {
             print_snapshot(a);
         } else if (sscanf(line, "cloexec %4095s", a) == 1) {
             cloexec(a);
+        } else if (sscanf(line, "touchfd %4095s", a) == 1) {
+            int fd = open(a, O_RDONLY | O_CLOEXEC);
+            printf("%s\n", fd >= 0 && close(fd) == 0 ? "ok" : "err");
+        } else if (strcmp(line, "forksleep") == 0) {
+            pid_t pid = fork();
+            if (pid == 0) {
+                for (;;) pause();
+            }
+            printf("%d\n", (int)pid);
         } else if (strcmp(line, "pid") == 0) {
             printf("%d\n", (int)getpid());
         } else if (sscanf(line, "forkcharge %d %llu %llu", &dev, &x, &y) == 3) {

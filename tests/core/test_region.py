@@ -407,3 +407,30 @@ def test_matches_a_model_with_processes_dying(core_bin: Path, tmp_path_factory: 
     finally:
         for p in procs.values():
             assert p.close() == 0, p.stderr_text()
+
+
+def test_closing_another_descriptor_of_the_file_keeps_the_process_alive(repl: Repl, tmp_path: Path) -> None:
+    """With classic POSIX locks this would drop the liveness lock (a second library copy reading
+    a snapshot, or the program reading the file), and others would reclaim live charges."""
+    path = tmp_path / "region"
+    a, other = repl(), repl()
+    assert a.ask(f"open {path}") == "ok" and a.ask("charge 0 1000 600") == "ok 600"
+    assert a.ask(f"touchfd {path}") == "ok"
+    assert a.ask(f"snapshot {path}").endswith(f"procs={a.pid}:1:600")  # a snapshot opens and closes one too
+    assert other.ask(f"open {path}") == "ok"
+    assert other.ask("reclaim") == "0"
+    assert other.ask("charge 0 1000 401") == "over 600"
+
+
+def test_a_living_fork_child_does_not_keep_a_dead_parent_alive(repl: Repl, tmp_path: Path) -> None:
+    path = tmp_path / "region"
+    parent, other = repl(), repl()
+    assert parent.ask(f"open {path}") == "ok" and parent.ask("charge 0 1000 600") == "ok 600"
+    child = int(parent.ask("forksleep"))
+    try:
+        parent.kill()
+        assert other.ask(f"open {path}") == "ok"
+        assert other.ask("charge 0 1000 1000") == "ok 1000"  # the parent's 600 came back
+        os.kill(child, 0)  # while the child still lives
+    finally:
+        os.kill(child, signal.SIGKILL)
