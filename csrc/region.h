@@ -27,8 +27,8 @@ enum { MS_OK = 0, MS_OVER_CAP = 1, MS_ERROR = -1 };
 /* Open or create the region at `path` (creating parent directories is the caller's job).
  * Claims a process slot. 0, or -1 with a one-line reason in err. A new file is created with
  * mode 0666 & ~umask: processes of one container may run under different UIDs.
- * Opening the same file twice in one process returns the same handle (reference counted):
- * a second descriptor on the file, once closed, would drop this process's liveness lock. */
+ * Opening the same file twice in one process returns the same handle (reference counted, one
+ * slot per process). A forked child gets a slot of its own at its first charge. */
 int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen);
 void ms_region_close(ms_region *r); /* gives this process's charges back */
 
@@ -66,7 +66,7 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
 /* --- The file (layout version 1; bump MS_LAYOUT_VERSION on any change) ---
  * A header, then MS_SLOTS process slots; the whole file is sizeof(ms_hdr) bytes. Invariant
  * under the mutex: used[d] == the sum of slot[i].used[d] over claimed slots. A slot's owner
- * holds a POSIX write lock on the slot's first byte for as long as it lives. */
+ * holds an OFD write lock (F_OFD_SETLK) on the slot's first byte for as long as it lives. */
 #define MS_MAGIC "MPSSHMRG"
 #define MS_LAYOUT_VERSION 1
 #define MS_SLOTS MS_SNAPSHOT_MAX_PROCS
