@@ -27,8 +27,8 @@
  *    file locks when a process exits, so an EOWNERDEAD recovery may still see the dead owner's
  *    file lock: its slot stays counted (consistently) until the next reclaim.
  *  - fork: the child is a new process. The atfork handler also bumps a generation number; a
- *    handle whose generation is stale reopens the file and claims a new slot before its next
- *    charge (one load and compare on the fast path, no getpid() syscall).
+ *    handle whose generation is stale claims a new slot (through the descriptor the handler
+ *    opened) before its next charge: one load and compare on the fast path, no getpid().
  *  - The file is built under a temporary name and published with link(2), which fails if
  *    the name exists: racing first openers never see a half-initialised region. */
 #include "region.h"
@@ -213,6 +213,7 @@ static int ms_lock(ms_region *r) {
         ms_recompute(r->hdr);
         __atomic_add_fetch(&r->hdr->recoveries, 1, __ATOMIC_RELAXED);
         rc = pthread_mutex_consistent(&r->hdr->mutex.m);
+        if (rc != 0) pthread_mutex_unlock(&r->hdr->mutex.m);
     }
     return rc;
 }
