@@ -434,3 +434,15 @@ def test_a_living_fork_child_does_not_keep_a_dead_parent_alive(repl: Repl, tmp_p
         os.kill(child, 0)  # while the child still lives
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_fork_child_of_a_deleted_region_refuses_to_charge(repl: Repl, tmp_path: Path) -> None:
+    """The child cannot get a descriptor of its own for a file that is gone: its charges are
+    errors (never uncapped), while the parent carries on with the file it has."""
+    path = tmp_path / "region"
+    p = repl()
+    assert p.ask(f"open {path}") == "ok" and p.ask("charge 0 1000 100") == "ok 100"
+    path.unlink()
+    assert p.ask("forkcharge 0 1000 1").endswith("rc=-1 in_use=0 status=0")
+    assert p.ask("charge 0 1000 900") == "ok 1000"
+    assert p.ask("charge 0 1000 1") == "over 1000"
