@@ -5,6 +5,7 @@
   invariant check at every unlock).
 - `LineProc`: a driver process answering one stdout line per stdin line.
 """
+
 from __future__ import annotations
 
 import os

@@ -2,6 +2,7 @@
 
 Every example goes through both builds of the driver (plain, and ASan+UBSan), so the sanitizer
 run covers the table and the whole hypothesis corpus."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -121,7 +122,8 @@ def test_table(parsers: list[LineProc], text: str, expected: dict[int | str, int
 def test_error_quotes_the_text_and_escapes_control_bytes(parsers: list[LineProc]) -> None:
     for proc in parsers:
         assert c_parse(proc, "0=1G,x\x01y=2") == (
-            "bad limits '0=1G,x\\x01y=2': device 'x\\x01y': expected an ordinal (0, 1, ...) or a GPU UUID (GPU-... or MIG-...)"
+            "bad limits '0=1G,x\\x01y=2': device 'x\\x01y': "
+            "expected an ordinal (0, 1, ...) or a GPU UUID (GPU-... or MIG-...)"
         )
         long = "0=" + "9" * 500
         msg = c_parse(proc, long)
@@ -146,10 +148,28 @@ def test_c_table_bounds(parsers: list[LineProc], text: str, why: str) -> None:
 
 
 SIZES = [
-    ("0", 0), ("1", 1), ("1k", 1024), ("1K", 1024), ("1kb", 1024), ("1KB", 1024), ("1kB", 1024),
-    ("3m", 3 * M), ("5G", 5 * G), ("2T", 2 << 40), ("18446744073709551615", MAX),
-    ("", None), ("K", None), ("1B", None), ("1X", None), ("1KBB", None), ("18446744073709551616", None),
-    ("16777216T", None), ("17179869184G", None), ("-1", None), (" 1", None), ("1 ", None),
+    ("0", 0),
+    ("1", 1),
+    ("1k", 1024),
+    ("1K", 1024),
+    ("1kb", 1024),
+    ("1KB", 1024),
+    ("1kB", 1024),
+    ("3m", 3 * M),
+    ("5G", 5 * G),
+    ("2T", 2 << 40),
+    ("18446744073709551615", MAX),
+    ("", None),
+    ("K", None),
+    ("1B", None),
+    ("1X", None),
+    ("1KBB", None),
+    ("18446744073709551616", None),
+    ("16777216T", None),
+    ("17179869184G", None),
+    ("-1", None),
+    (" 1", None),
+    ("1 ", None),
 ]
 
 
@@ -185,7 +205,9 @@ def test_limits_find(core_bin: Path, limits: str, ordinal: int, uuid: str, cap: 
 UUID_CHARS = "abcdefABCDEF0123456789-/_"
 ordinals = st.integers(0, 70).map(str) | st.integers(0, 63).map(lambda i: "0" * 3 + str(i))
 uuids = st.builds(lambda p, s: p + s, st.sampled_from(["GPU-", "MIG-"]), st.text(UUID_CHARS, min_size=1, max_size=40))
-digits = st.integers(0, MAX).map(str) | st.integers(0, 1 << 70).map(str) | st.text("0123456789", min_size=1, max_size=25)
+digits = (
+    st.integers(0, MAX).map(str) | st.integers(0, 1 << 70).map(str) | st.text("0123456789", min_size=1, max_size=25)
+)
 units = st.sampled_from(["", "k", "K", "m", "M", "g", "G", "t", "T", "KB", "mb", "Gb", "tB"])
 sizes = st.builds(lambda d, u: d + u, digits, units)
 entries = st.builds(lambda k, s: f"{k}={s}", ordinals | uuids, sizes)

@@ -3,6 +3,7 @@
 Drivers come in two builds (tests/core/Makefile); the `_san` one runs under ASan+UBSan and
 checks, inside the critical section at every unlock, that each device's total equals the sum
 of the process slots."""
+
 from __future__ import annotations
 
 import os
@@ -373,8 +374,9 @@ class Model:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(ops, max_size=25))
-def test_matches_a_model_with_processes_dying(core_bin: Path, tmp_path_factory: pytest.TempPathFactory,
-                                              program: list[tuple[object, ...]]) -> None:
+def test_matches_a_model_with_processes_dying(
+    core_bin: Path, tmp_path_factory: pytest.TempPathFactory, program: list[tuple[object, ...]]
+) -> None:
     path = tmp_path_factory.mktemp("prop") / "region"
     model = Model()
     procs: dict[int, LineProc] = {}

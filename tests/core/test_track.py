@@ -1,4 +1,5 @@
 """csrc/track.c: the allocation tracker against a dict model, and under many threads."""
+
 from __future__ import annotations
 
 import subprocess
