@@ -32,8 +32,9 @@ def driver_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def core_bin() -> Path:
-    build = HERE / "build"
+def core_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built per session in a temporary directory, so concurrent sessions never share binaries."""
+    build = tmp_path_factory.mktemp("corebin")
     proc = subprocess.run(
         ["make", "-s", "-j2", "-C", str(HERE), f"BUILD={build}"], capture_output=True, text=True, check=False
     )
