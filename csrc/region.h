@@ -30,7 +30,9 @@ enum { MS_OK = 0, MS_OVER_CAP = 1, MS_ERROR = -1 };
  * Opening the same file twice in one process returns the same handle (reference counted, one
  * slot per process). A forked child gets a slot of its own at its first charge. */
 int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen);
-void ms_region_close(ms_region *r); /* gives this process's charges back */
+/* Gives this process's charges back (at the last close of a shared handle); no other thread
+ * may still be using the handle. */
+void ms_region_close(ms_region *r);
 
 /* Charge `bytes` on device `dev` (0 <= dev < MS_MAX_DEVICES) against `cap`.
  * MS_OK, or MS_OVER_CAP (nothing charged; *in_use says what is in use, after dead processes
