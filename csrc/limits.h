@@ -4,7 +4,9 @@
  *   size   := DIGITS [UNIT]        UNIT := (K|M|G|T) [B], case-insensitive, powers of 1024
  *   key    := DIGITS (ordinal < MS_MAX_DEVICES) | UUID ("GPU-" or "MIG-" then [A-Za-z0-9/_-]+)
  *   limits := key "=" size ("," key "=" size)*
- * No whitespace, no duplicate key, no value above 2^64-1. "" means no limits. */
+ * No whitespace, no duplicate key, no value above 2^64-1. "" means no limits.
+ * Bounds of the fixed table (units.py has none): at most MS_MAX_DEVICES entries, UUIDs of at
+ * most MS_UUID_MAX - 1 characters; beyond them the string is refused, never cut. */
 #ifndef MPSSHIM_LIMITS_H
 #define MPSSHIM_LIMITS_H
 
