@@ -6,7 +6,8 @@ Grammar shared with the C parser in csrc/limits.c (tests compare the two):
     key    := DIGITS | UUID          UUID := GPU-... or MIG-... ([A-Za-z0-9-/_])
     limits := key "=" size ("," key "=" size)*
 
-No whitespace inside, no duplicate keys, no value above 2**64 - 1, ordinals below 64.
+No whitespace inside, no duplicate keys, no value above 2**64 - 1, ordinals below 64 (ASCII
+digits only), at most 64 entries, UUIDs of at most 95 characters.
 An empty string means "no limits".
 """
 
@@ -19,6 +20,8 @@ from .errors import ConfigError
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MAX_BYTES = (1 << 64) - 1
 MAX_ORDINAL = 63
+MAX_ENTRIES = 64  # the C parser's table size (csrc/limits.h MS_MAX_DEVICES)
+MAX_UUID_LEN = 95  # csrc/limits.h MS_UUID_MAX less the NUL
 _SIZE = re.compile(r"([0-9]+)(?:([KMGTkmgt])[Bb]?)?")
 _UUID = re.compile(r"(?:GPU|MIG)-[A-Za-z0-9/_-]+")
 SIZE_FORM = "a byte count with an optional K, M, G or T suffix (e.g. 512M, 4G)"
@@ -56,12 +59,14 @@ def format_size_mps_control(nbytes: int) -> str:
 
 
 def parse_device_key(text: str) -> int | str:
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         ordinal = int(text)
         if ordinal > MAX_ORDINAL:
             raise ConfigError(f"bad device {text!r}: ordinals run from 0 to {MAX_ORDINAL}")
         return ordinal
     if _UUID.fullmatch(text):
+        if len(text) > MAX_UUID_LEN:
+            raise ConfigError(f"bad device {text[:40]!r}...: a UUID has at most {MAX_UUID_LEN} characters")
         return text
     raise ConfigError(f"bad device {text!r}: expected an ordinal (0, 1, ...) or a GPU UUID (GPU-...)")
 
@@ -71,7 +76,10 @@ def parse_limits(text: str) -> dict[int | str, int]:
     if text == "":
         return {}
     limits: dict[int | str, int] = {}
-    for entry in text.split(","):
+    entries = text.split(",")
+    if len(entries) > MAX_ENTRIES:
+        raise ConfigError(f"bad limits {text[:60]!r}...: at most {MAX_ENTRIES} devices")
+    for entry in entries:
         key, sep, size = entry.partition("=")
         if not sep:
             raise ConfigError(f"bad limit {entry!r} in {text!r}: expected {LIMITS_FORM}")

@@ -68,6 +68,10 @@ def test_parse_limits_accepts(text, expected):
         ("0=4Q", "bad size"),
         ("0=4G;1=2G", "bad size"),
         (" 0=4G", "bad device"),
+        ("\u0663=1G", "bad device"),
+        ("\u00b2=1G", "bad device"),
+        ("GPU-" + "a" * 92 + "=1G", "at most 95 characters"),
+        (",".join(f"{i}=1G" for i in range(64)) + ",GPU-a=1G", "at most 64 devices"),
     ],
 )
 def test_parse_limits_rejects(text, fragment):
