@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests.core.conftest import VARIANTS, LineProc, driver_env
 
 MAX = (1 << 64) - 1
-# Header offsets of layout version 1 (csrc/region.c, struct ms_hdr); a layout change must update them.
+# Header offsets of layout version 1 (csrc/region.h, struct ms_hdr); a layout change must update them.
 OFF_VERSION, OFF_RECOVERIES, OFF_USED0 = 8, 32, 128
 SLOT_SIZE, SLOTS = 576, 256
 

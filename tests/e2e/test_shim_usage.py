@@ -1,5 +1,5 @@
 """shim.usage() and `python -m shim` on real region files, written by the real core
-(csrc/region.c) from helper processes, read through libmpsshim.so's mpsshim_usage."""
+(csrc/region.c, region_open.c) from helper processes, read through libmpsshim.so's mpsshim_usage."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ def holder_exe(tmp_path_factory):
     exe = tmp_path_factory.mktemp("holder") / "region_holder"
     subprocess.run(
         ["cc", "-std=gnu11", "-O2", "-D_GNU_SOURCE", "-I", str(REPO / "csrc"), str(REPO / "tests/e2e/region_holder.c"),
-         str(REPO / "csrc/region.c"), "-o", str(exe), "-lpthread"],
+         str(REPO / "csrc/region.c"), str(REPO / "csrc/region_open.c"), "-o", str(exe), "-lpthread"],
         check=True,
     )
     return exe
