@@ -55,7 +55,6 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         self.stop = stop
         self.wake_interval = wake_interval
         self._gpu_order = [g.uuid for g in self.gpus]
-        self._record_lock = threading.Lock()
 
     def GetDevicePluginOptions(self, request, context):
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -110,7 +109,15 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
     def record(self, plan: Plan) -> Allocation:
-        """Create the allocation's region directory (mode 0777) and remember it on disk."""
+        """Create the allocation's region directory (mode 0777) and remember it on disk.
+
+        Under the store's lock from the directory to the state file, so that garbage
+        collection (which releases under the same lock) never deletes the directory of an
+        allocation being recorded, nor an allocation whose devices were just handed out."""
+        with self.store.lock:
+            return self._record(plan)
+
+    def _record(self, plan: Plan) -> Allocation:
         directory = self.paths.allocation_dir(plan.allocation_id)
         try:
             os.makedirs(directory, exist_ok=True)
@@ -126,25 +133,24 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
                 plan.memory_limits,
                 plan.active_thread_percentage,
             )
-        with self._record_lock:
-            existing = self.store.get(plan.allocation_id)
-            if existing is not None:
-                # the same devices again (a new container, or the kubelet re-allocating):
-                # the fresh time keeps garbage collection off it until the kubelet lists it
-                again = replace(existing, allocated=time.time())
-                self.store.put(again)
-                log.info("Allocate again allocation=%s devices=%s", plan.allocation_id, ",".join(plan.device_ids))
-                return again
-            allocation = Allocation(
-                allocation_id=plan.allocation_id,
-                device_ids=plan.device_ids,
-                gpus=tuple(g.uuid for g in plan.gpus),
-                memory_limits=plan.memory_limits,
-                active_thread_percentage=plan.active_thread_percentage,
-                region_dir=directory,
-                created=time.time(),
-            )
-            self.store.put(allocation)
+        existing = self.store.get(plan.allocation_id)
+        if existing is not None:
+            # the same devices again (a new container, or the kubelet re-allocating):
+            # the fresh time keeps garbage collection off it until the kubelet lists it
+            again = replace(existing, allocated=time.time())
+            self.store.put(again)
+            log.info("Allocate again allocation=%s devices=%s", plan.allocation_id, ",".join(plan.device_ids))
+            return again
+        allocation = Allocation(
+            allocation_id=plan.allocation_id,
+            device_ids=plan.device_ids,
+            gpus=tuple(g.uuid for g in plan.gpus),
+            memory_limits=plan.memory_limits,
+            active_thread_percentage=plan.active_thread_percentage,
+            region_dir=directory,
+            created=time.time(),
+        )
+        self.store.put(allocation)
         log.info(
             "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s",
             plan.allocation_id,

@@ -67,16 +67,19 @@ class Allocation:
 
 
 class StateStore:
-    """Allocations by ID, mirrored to ``path`` on every change. Thread-safe."""
+    """Allocations by ID, mirrored to ``path`` on every change. Thread-safe.
+
+    ``lock`` (re-entrant) is held by every method; hold it yourself to make a read, a
+    decision and a write one step (Allocate recording, garbage collection releasing)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
         self._allocations: dict[str, Allocation] = {}
 
     def load(self) -> dict[str, Allocation]:
         """Read ``path`` if it exists. A damaged file is kept aside and reported, not fatal."""
-        with self._lock:
+        with self.lock:
             try:
                 with open(self.path, encoding="utf-8") as f:
                     data = json.load(f)
@@ -98,26 +101,26 @@ class StateStore:
             return dict(self._allocations)
 
     def all(self) -> list[Allocation]:
-        with self._lock:
+        with self.lock:
             return sorted(self._allocations.values(), key=lambda a: (a.created, a.allocation_id))
 
     def get(self, allocation_id: str) -> Allocation | None:
-        with self._lock:
+        with self.lock:
             return self._allocations.get(allocation_id)
 
     def put(self, allocation: Allocation) -> None:
-        with self._lock:
+        with self.lock:
             self._allocations[allocation.allocation_id] = allocation
             self._write()
 
     def put_many(self, allocations: Iterable[Allocation]) -> None:
-        with self._lock:
+        with self.lock:
             for a in allocations:
                 self._allocations[a.allocation_id] = a
             self._write()
 
     def remove(self, allocation_ids: Iterable[str]) -> list[Allocation]:
-        with self._lock:
+        with self.lock:
             gone = [self._allocations.pop(i) for i in list(allocation_ids) if i in self._allocations]
             if gone:
                 self._write()

@@ -27,6 +27,7 @@ UsageReader = Callable[[str], Mapping[int, int]]  # region file -> bytes used pe
 class Reconciled:
     keep: list[Allocation]  # with labels from the pod-resources API where known
     stale: list[Allocation]
+    missing_since: dict[str, float]  # allocation ID -> first time in a row no container held it
 
 
 def reconcile(
@@ -34,26 +35,37 @@ def reconcile(
     holders: Mapping[frozenset[str], Holder] | None,
     now: float,
     grace: float,
+    missing_since: Mapping[str, float] | None = None,
 ) -> Reconciled:
     """Label allocations with their container; an allocation whose device IDs no container
-    holds any more is stale, unless allocated less than ``grace`` seconds ago (the kubelet
-    lists a container only after Allocate returned, and the same devices may go to a new
-    container before the old one's allocation was collected). Without the API (``holders`` None) nothing is
-    stale and labels stay as they were."""
+    holds any more is stale once it has been missing from the list for ``grace`` seconds in
+    a row (``missing_since`` carries that over from the previous rounds) and was not
+    allocated in the last ``grace`` seconds either. One empty answer is never enough: a
+    restarting kubelet lists no pods until it has synced them, and the kubelet lists a
+    container only after Allocate returned (the same devices may go to a new container
+    before the old one's allocation was collected). Without the API (``holders`` None)
+    nothing is stale, labels stay as they were and the missing times are carried over."""
+    missing_since = dict(missing_since or {})
     keep: list[Allocation] = []
     stale: list[Allocation] = []
+    missing: dict[str, float] = {}
     for a in allocations:
         if holders is None:
             keep.append(a)
+            if a.allocation_id in missing_since:
+                missing[a.allocation_id] = missing_since[a.allocation_id]
             continue
         holder = holders.get(frozenset(a.device_ids))
         if holder is not None:
             keep.append(a.labelled(holder.pod, holder.namespace, holder.container))
-        elif now - a.last_allocated < grace:
+            continue
+        since = min(missing_since.get(a.allocation_id, now), now)
+        if now - max(since, a.last_allocated) < grace:
             keep.append(a)
+            missing[a.allocation_id] = since
         else:
             stale.append(a)
-    return Reconciled(keep, stale)
+    return Reconciled(keep, stale, missing)
 
 
 def usage_rows(
@@ -113,6 +125,7 @@ class UsageTracker:
         self.region_name = region_name
         self.gc_grace = gc_grace
         self._warned: set[str] = set()
+        self._missing_since: dict[str, float] = {}
 
     def tick(self, now: float | None = None) -> list[AllocationUsage]:
         """One round: labels, garbage collection, metrics. Returns the rows pushed."""
@@ -123,10 +136,9 @@ class UsageTracker:
                 holders = list_holders(self.pod_resources_socket, self.resource_name)
             except MpsdError as exc:
                 self._warn_once("podresources", "pod-resources unavailable, keeping allocations error=%s", exc)
-        result = reconcile(self.store.all(), holders, now, self.gc_grace)
-        changed = [a for a in result.keep if a != self.store.get(a.allocation_id)]
-        if changed:
-            self.store.put_many(changed)
+        result = reconcile(self.store.all(), holders, now, self.gc_grace, self._missing_since)
+        self._missing_since = result.missing_since
+        self._label(result.keep)
         if result.stale:
             self.collect(result.stale)
         used = {a.allocation_id: self._read(a) for a in result.keep}
@@ -135,14 +147,37 @@ class UsageTracker:
             self.metrics.set_allocations(rows)
         return rows
 
+    def _label(self, labelled: list[Allocation]) -> None:
+        """Write the labels onto the stored allocations as they are now (an Allocate since
+        the snapshot may have moved their time on: that is kept)."""
+        with self.store.lock:
+            changed = []
+            for a in labelled:
+                current = self.store.get(a.allocation_id)
+                if current is not None:
+                    updated = current.labelled(a.pod, a.namespace, a.container)
+                    if updated != current:
+                        changed.append(updated)
+            if changed:
+                self.store.put_many(changed)
+
     def collect(self, stale: list[Allocation]) -> None:
-        self.store.remove(a.allocation_id for a in stale)
-        for a in stale:
-            log.info("allocation released allocation=%s devices=%s", a.allocation_id, ",".join(a.device_ids))
-            if os.path.dirname(os.path.abspath(a.region_dir)) == self.region_root:
-                shutil.rmtree(a.region_dir, ignore_errors=True)
-            else:  # never delete outside regionDir, whatever the state file says
-                log.warning("region directory outside regionDir left alone path=%s", a.region_dir)
+        """Forget ``stale`` allocations and delete their region directories, except those
+        stored differently by now (handed out again since the snapshot) or gone already.
+        Under the store's lock, which Allocate holds while it records: an allocation is
+        never released between Allocate creating its directory and recording it."""
+        with self.store.lock:
+            stale = [a for a in stale if self.store.get(a.allocation_id) == a]
+            self.store.remove(a.allocation_id for a in stale)
+            for a in stale:
+                self._release(a)
+
+    def _release(self, a: Allocation) -> None:
+        log.info("allocation released allocation=%s devices=%s", a.allocation_id, ",".join(a.device_ids))
+        if os.path.dirname(os.path.abspath(a.region_dir)) == self.region_root:
+            shutil.rmtree(a.region_dir, ignore_errors=True)
+        else:  # never delete outside regionDir, whatever the state file says
+            log.warning("region directory outside regionDir left alone path=%s", a.region_dir)
 
     def _read(self, a: Allocation) -> Mapping[int, int]:
         path = os.path.join(a.region_dir, self.region_name)

@@ -47,9 +47,34 @@ AGAIN = alloc("again", ("GPU-a::4",), created=0.0, allocated=95.0)  # old, but j
     ],
 )
 def test_reconcile(holders, keep, stale):
-    result = reconcile([OLD, YOUNG, HELD, AGAIN], holders, now=100.0, grace=10.0)
+    missing_since = {"old": 50.0, "young": 50.0, "held": 50.0, "again": 50.0}  # unlisted long enough
+    result = reconcile([OLD, YOUNG, HELD, AGAIN], holders, now=100.0, grace=10.0, missing_since=missing_since)
     assert {a.allocation_id: a.pod for a in result.keep} == keep
     assert {a.allocation_id for a in result.stale} == stale
+
+
+@pytest.mark.parametrize(
+    "missing_since, now, stale, since_after",
+    [
+        # listed nowhere for the first time: kept, and the clock starts now
+        ({}, 100.0, set(), {"old": 100.0, "held": 100.0}),
+        # unlisted for less than the grace period in a row: kept, the first time carried on
+        ({"old": 95.0, "held": 95.0}, 100.0, set(), {"old": 95.0, "held": 95.0}),
+        # unlisted for the whole grace period: released
+        ({"old": 90.0, "held": 95.0}, 100.0, {"old"}, {"held": 95.0}),
+    ],
+)
+def test_reconcile_releases_only_after_a_grace_period_unlisted(missing_since, now, stale, since_after):
+    result = reconcile([OLD, HELD], {}, now=now, grace=10.0, missing_since=missing_since)
+    assert {a.allocation_id for a in result.stale} == stale
+    assert result.missing_since == since_after
+
+
+def test_reconcile_forgets_the_missing_time_of_a_listed_allocation_and_keeps_it_without_the_api():
+    listed = {frozenset(HELD.device_ids): Holder("web", "prod", "main")}
+    assert reconcile([HELD], listed, now=100.0, grace=10.0, missing_since={"held": 0.0}).missing_since == {}
+    unknown = reconcile([HELD], None, now=100.0, grace=10.0, missing_since={"held": 0.0, "gone": 1.0})
+    assert unknown.stale == [] and unknown.missing_since == {"held": 0.0}
 
 
 def test_labels_gc_and_metrics_through_the_pod_resources_api(env, kubelet):
@@ -125,6 +150,98 @@ def test_devices_handed_out_again_are_not_collected_before_the_kubelet_lists_the
         pr.stop()
 
 
+def test_an_empty_list_from_a_restarting_kubelet_releases_nothing(env, kubelet):
+    pr = FakePodResources(str(env.pod_resources_socket))
+    g = gpus(80)
+    plugin = env.plugin(g, usage_reader=lambda path: {}, gc_grace=60.0)
+    plugin.start()
+    try:
+        ids = [f"{g[0].uuid}::0", f"{g[0].uuid}::1"]
+        _, s = stub(plugin)
+        allocate(s, ids)
+        (a,) = plugin.store.all()
+        t = a.created + 3600  # a pod that has run for an hour
+        pr.pods = [("web-0", "prod", "server", RESOURCE, ids)]
+        plugin.tracker.tick(now=t)
+        pr.pods = []  # the kubelet restarted and has not synced its pods yet
+        plugin.tracker.tick(now=t + 10)
+        plugin.tracker.tick(now=t + 40)
+        assert [x.pod for x in plugin.store.all()] == ["web-0"] and os.path.isdir(a.region_dir)
+        pr.pods = [("web-0", "prod", "server", RESOURCE, ids)]  # synced: listed again
+        plugin.tracker.tick(now=t + 65)
+        pr.pods = []  # the pod ends
+        plugin.tracker.tick(now=t + 70)
+        plugin.tracker.tick(now=t + 125)
+        assert len(plugin.store.all()) == 1  # unlisted for 55 s only
+        plugin.tracker.tick(now=t + 130)  # unlisted for the whole grace period
+        assert plugin.store.all() == [] and not os.path.exists(a.region_dir)
+    finally:
+        plugin.stop()
+        pr.stop()
+
+
+def test_devices_handed_out_while_a_round_decides_are_not_released(env, kubelet, monkeypatch):
+    import mpsd.plugin.usage as usage
+
+    pr = FakePodResources(str(env.pod_resources_socket))  # lists nobody
+    g = gpus(80)
+    plugin = env.plugin(g, usage_reader=lambda path: {})
+    plugin.start()
+    try:
+        ids = [f"{g[0].uuid}::0"]
+        _, s = stub(plugin)
+        allocate(s, ids)
+        (first,) = plugin.store.all()
+        plugin.store.put(replace(first, created=first.created - 3600, pod="old-pod"))  # ended an hour ago
+        plugin.tracker._missing_since[first.allocation_id] = first.created - 3000
+        decide = usage.reconcile
+
+        def reconcile_then_allocate(*args, **kwargs):
+            result = decide(*args, **kwargs)
+            assert [a.allocation_id for a in result.stale] == [first.allocation_id]
+            allocate(s, ids)  # meanwhile the kubelet hands the same devices to a new pod
+            return result
+
+        monkeypatch.setattr(usage, "reconcile", reconcile_then_allocate)
+        plugin.tracker.tick()
+        (kept,) = plugin.store.all()
+        assert kept.allocated >= first.created and kept.pod == "old-pod"
+        assert os.path.isdir(kept.region_dir)  # the new pod's region is still there
+    finally:
+        plugin.stop()
+        pr.stop()
+
+
+def test_labels_written_by_a_round_keep_an_allocate_made_meanwhile(env, kubelet, monkeypatch):
+    import mpsd.plugin.usage as usage
+
+    pr = FakePodResources(str(env.pod_resources_socket))
+    g = gpus(80)
+    plugin = env.plugin(g, usage_reader=lambda path: {})
+    plugin.start()
+    try:
+        ids = [f"{g[0].uuid}::0"]
+        _, s = stub(plugin)
+        allocate(s, ids)
+        (first,) = plugin.store.all()
+        pr.pods = [("web-0", "prod", "server", RESOURCE, ids)]
+        decide = usage.reconcile
+
+        def reconcile_then_allocate(*args, **kwargs):
+            result = decide(*args, **kwargs)
+            allocate(s, ids)  # the kubelet allocates the same devices again meanwhile
+            return result
+
+        monkeypatch.setattr(usage, "reconcile", reconcile_then_allocate)
+        plugin.tracker.tick()
+        (now,) = plugin.store.all()
+        assert now.pod == "web-0"
+        assert now.allocated > first.created  # the second Allocate's time was not overwritten
+    finally:
+        plugin.stop()
+        pr.stop()
+
+
 class BrokenPodResources(podresources_pb2_grpc.PodResourcesListerServicer):
     def List(self, request, context):
         context.abort(grpc.StatusCode.INTERNAL, "kubelet is unwell")
@@ -171,8 +288,10 @@ def test_gc_never_deletes_outside_the_region_dir(env, kubelet, tmp_path):
     outside.mkdir()
     plugin = env.plugin(gpus(80))
     stray = Allocation("alloc-x", ("GPU-a::0",), ("GPU-a",), {0: GIB}, 10.0, str(outside), 0.0)
+    plugin.store.put(stray)  # a state file naming a directory outside regionDir
     plugin.tracker.collect([stray])
-    assert outside.is_dir()
+    assert plugin.store.all() == []  # released
+    assert outside.is_dir()  # but its directory left alone
 
 
 def test_usage_loop_pushes_metrics_on_its_interval(env, kubelet):
