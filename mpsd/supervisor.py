@@ -84,7 +84,9 @@ class Supervisor:
         self._reload = reload
         self._gpu_indices = gpu_indices
         self._on_status = on_status
-        self._events: queue.Queue[tuple] = queue.Queue()
+        # SimpleQueue: its put is reentrant. A signal handler runs in the main thread between two
+        # bytecodes, possibly while the loop is inside get() holding a queue.Queue's lock.
+        self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._daemon: DaemonProcess | None = None
         self._status = Status()
         self._status_lock = threading.Lock()
