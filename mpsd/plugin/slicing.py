@@ -50,7 +50,7 @@ def slice_id(uuid: str, k: int) -> str:
 def parse_slice_id(text: str, slices_per_gpu: int) -> SliceId:
     """``"GPU-ab::3"`` -> SliceId("GPU-ab", 3); PluginError names the text otherwise."""
     uuid, sep, k = text.rpartition(SEPARATOR)
-    if not sep or not uuid or not k.isdigit() or int(k) >= slices_per_gpu:
+    if not sep or not uuid or not _is_number(k) or int(k) >= slices_per_gpu:
         raise PluginError(
             f"bad device ID {text!r}: expected <GPU-uuid>::<slice> with slice 0..{slices_per_gpu - 1}"
         )
@@ -205,6 +205,11 @@ def preferred_allocation(
 
 def _loose_parse(text: str) -> SliceId:
     uuid, sep, k = text.rpartition(SEPARATOR)
-    if not sep or not k.isdigit():
+    if not sep or not _is_number(k):
         raise PluginError(f"bad device ID {text!r}: expected <GPU-uuid>::<slice>")
     return SliceId(uuid, int(k))
+
+
+def _is_number(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²" (int() fails) and "٣" (int() says 3)."""
+    return text.isascii() and text.isdigit()

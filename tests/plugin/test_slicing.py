@@ -42,7 +42,9 @@ def test_parse_slice_id(text, n, expected):
     assert str(expected) == text
 
 
-@pytest.mark.parametrize("text", ["GPU-a::10", "GPU-a", "GPU-a::", "::3", "GPU-a::-1", "GPU-a::x", "GPU-a:3", ""])
+@pytest.mark.parametrize(
+    "text", ["GPU-a::10", "GPU-a", "GPU-a::", "::3", "GPU-a::-1", "GPU-a::x", "GPU-a:3", "", "GPU-a::²", "GPU-a::٣"]
+)
 def test_parse_slice_id_rejects(text):
     with pytest.raises(PluginError, match="bad device ID") as info:
         parse_slice_id(text, 10)
@@ -165,6 +167,7 @@ def test_preferred_allocation(available, must, size, expected):
         (ids(A, 0, 1), ids(A, 5), 1, "must-include device 'GPU-a::5' is not available"),
         (ids(A, 0, 1), ids(A, 0, 1), 1, "2 must-include devices but size 1"),
         (["junk"], [], 1, "bad device ID 'junk'"),
+        (["GPU-a::²"], [], 1, "bad device ID 'GPU-a::²'"),
     ],
 )
 def test_preferred_allocation_rejects(available, must, size, message):
