@@ -49,6 +49,10 @@ class UnknownCommand(CommandRejected):
     """This daemon version does not know the command (e.g. get_server_status before 550)."""
 
 
+class UnexpectedOutput(ControlError):
+    """The daemon answered, in a form the parser does not know (another driver version)."""
+
+
 @dataclass(frozen=True)
 class PsEntry:
     pid: int
@@ -81,7 +85,7 @@ def parse_pids(output: str) -> list[int]:
     pids = []
     for token in output.split():
         if not token.isdigit():
-            raise ControlError(f"unexpected PID {token!r} in {output!r}: expected decimal process ids")
+            raise UnexpectedOutput(f"unexpected PID {token!r} in {output!r}: expected decimal process ids")
         pids.append(int(token))
     return pids
 
@@ -92,7 +96,9 @@ def parse_percentage(output: str) -> float:
     try:
         return float(lines[-1])
     except (IndexError, ValueError):
-        raise ControlError(f"unexpected active thread percentage {output!r}: expected a number such as 100.0") from None
+        raise UnexpectedOutput(
+            f"unexpected active thread percentage {output!r}: expected a number such as 100.0"
+        ) from None
 
 
 def parse_mem_limit(output: str) -> int | None:
@@ -102,7 +108,7 @@ def parse_mem_limit(output: str) -> int | None:
         return None
     m = re.fullmatch(r"([0-9]+)([MG])", lines[-1])
     if m is None:
-        raise ControlError(f"unexpected pinned memory limit {output!r}: expected <n>M or <n>G")
+        raise UnexpectedOutput(f"unexpected pinned memory limit {output!r}: expected <n>M or <n>G")
     return int(m.group(1)) * UNITS[m.group(2)]
 
 
@@ -116,7 +122,7 @@ def mem_limit_as_displayed(nbytes: int) -> int:
 def parse_priority(output: str) -> int:
     lines = _lines(output)
     if not lines or lines[-1] not in ("0", "1"):
-        raise ControlError(f"unexpected client priority {output!r}: expected 0 or 1")
+        raise UnexpectedOutput(f"unexpected client priority {output!r}: expected 0 or 1")
     return int(lines[-1])
 
 
@@ -125,7 +131,7 @@ def parse_server_status(output: str) -> str:
     for word in reversed(output.replace(":", " ").split()):
         if word.upper() in SERVER_STATES:
             return word.upper()
-    raise ControlError(f"unexpected server status {output!r}: expected one of {', '.join(SERVER_STATES)}")
+    raise UnexpectedOutput(f"unexpected server status {output!r}: expected one of {', '.join(SERVER_STATES)}")
 
 
 def parse_device_client_list(output: str) -> dict[str, list[int]]:
@@ -145,7 +151,7 @@ def parse_ps(output: str) -> list[PsEntry]:
             continue
         parts = line.split(None, 5)
         if len(parts) < 5 or not all(p.isdigit() for p in parts[:3]):
-            raise ControlError(f"unexpected ps line {line!r}: expected PID ID SERVER DEVICE NAMESPACE COMMAND")
+            raise UnexpectedOutput(f"unexpected ps line {line!r}: expected PID ID SERVER DEVICE NAMESPACE COMMAND")
         pid, cid, server = (int(p) for p in parts[:3])
         entries.append(PsEntry(pid, cid, server, parts[3], parts[4], parts[5] if len(parts) > 5 else ""))
     return entries
@@ -155,7 +161,7 @@ def parse_terminate(output: str) -> int:
     """``terminate_client`` prints a CUresult last: 0 is success."""
     lines = _lines(output)
     if not lines or not lines[-1].lstrip("-").isdigit():
-        raise ControlError(f"unexpected terminate_client answer {output!r}: expected a CUDA result code")
+        raise UnexpectedOutput(f"unexpected terminate_client answer {output!r}: expected a CUDA result code")
     return int(lines[-1])
 
 

@@ -24,7 +24,15 @@ from typing import Callable
 from . import dirs
 from .computemode import ComputeMode
 from .config import BY_KEY, Config, changed_keys
-from .control import CommandRejected, ConfigureError, Control, UnknownCommand, apply_defaults, limit_early_servers
+from .control import (
+    CommandRejected,
+    ConfigureError,
+    Control,
+    UnexpectedOutput,
+    UnknownCommand,
+    apply_defaults,
+    limit_early_servers,
+)
 from .daemon import DaemonProcess
 from .errors import ConfigError, ControlError, ControlTimeout, SetupError
 from .health import HealthBoard
@@ -296,6 +304,12 @@ class Supervisor:
                 break
             except CommandRejected:
                 continue  # the server exited between the two commands
+            except UnexpectedOutput as exc:
+                # The daemon answered: it is healthy. Killing it (and every client) over an
+                # answer this parser does not know would repeat at every health check.
+                log.error("cannot read the server status of this daemon, FAULT detection off: %s", exc)
+                self._supports_status = False
+                break
         return states
 
     def _retire(self, daemon: DaemonProcess, message: str) -> None:

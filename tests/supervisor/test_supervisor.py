@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mpsd.control import Control
+from mpsd.control import Control, parse_server_status
 from mpsd.errors import ConfigError
 
 pytestmark = pytest.mark.mps_binary
@@ -150,7 +150,7 @@ class FaultyServers:
     def get_server_status(self, pid):
         if self.state is None:
             return self.real.get_server_status(pid)  # 535: Unknown command
-        return self.state
+        return parse_server_status(self.state)
 
 
 def test_server_in_fault_marks_managed_gpus_unhealthy(make_config, run_supervisor, monkeypatch):
@@ -175,6 +175,20 @@ def test_get_server_status_missing_on_535_is_not_a_failure(make_config, run_supe
     wait_until(lambda: r.sup.status().servers == (4242,), what="health check with a server")
     assert r.sup._supports_status is False
     assert r.board.current().configured and r.sup.status().pid == pid
+
+
+def test_server_status_in_an_unknown_form_does_not_kill_the_daemon(make_config, run_supervisor, monkeypatch, caplog):
+    r = run_supervisor(make_config(), gpu_indices=lambda: [0])
+    r.wait_for(lambda s: s.configured)
+    real = r.sup.control
+    pid = r.sup.status().pid
+    monkeypatch.setattr(r.sup, "control", lambda timeout=None: FaultyServers(real(timeout), "4242 2"))
+    wait_until(lambda: r.sup.status().servers == (4242,), what="health check with a server")
+    checks = r.sup.status().health_checks
+    wait_until(lambda: r.sup.status().health_checks >= checks + 3, what="more health checks")
+    assert r.sup.status().pid == pid and r.sup.status().restarts == 0
+    assert r.board.current().configured and r.sup._supports_status is False
+    assert "FAULT detection off" in caplog.text and "'4242 2'" in caplog.text
 
 
 def test_stop_quits_the_daemon_and_restores_compute_mode(make_config, run_supervisor, tmp_path):
