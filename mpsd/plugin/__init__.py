@@ -40,7 +40,7 @@ import grpc
 from ..errors import PluginError
 from ..health import HealthBoard
 from . import api_pb2_grpc
-from .kubelet import KUBELET_SOCKET, register, socket_identity
+from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
 from .servicer import Servicer
 from .slicing import GpuLike, advertised_ids
@@ -82,6 +82,7 @@ class DevicePlugin:
         wake_interval: float = 0.5,
     ) -> None:
         advertised_ids(gpus, slices_per_gpu)  # validates N and the ID lengths up front
+        check_resource_name(resource_name)
         self.gpus = list(gpus)
         self.resource_name = resource_name
         self.slices_per_gpu = slices_per_gpu

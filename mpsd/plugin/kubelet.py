@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,35 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def check_resource_name(name: str) -> str:
+    """``name`` if the kubelet takes it as an extended resource (``<domain>/<name>``, not in
+    kubernetes.io, e.g. ``mpsd.io/gpu``: the kubelet's IsExtendedResourceName); PluginError
+    otherwise, so a bad name fails at start instead of every registration."""
+    domain, slash, short = name.partition("/")
+    quota_domain = "requests." + domain  # the kubelet checks "requests.<name>" as a qualified name
+    ok = (
+        bool(slash)
+        and "kubernetes.io/" not in name
+        and not name.startswith("requests.")
+        and len(quota_domain) <= 253
+        and _DNS_SUBDOMAIN.fullmatch(quota_domain) is not None
+        and len(short) <= 63
+        and _NAME.fullmatch(short) is not None
+    )
+    if not ok:
+        raise PluginError(
+            f"bad resourceName {name!r}: expected <domain>/<name> as the kubelet takes for an extended "
+            "resource (lower-case DNS domain outside kubernetes.io, name of at most 63 letters, digits, "
+            "'-', '_' or '.'), e.g. mpsd.io/gpu"
+        )
+    return name
 
 
 def unix_target(path: str) -> str:
