@@ -65,12 +65,18 @@ class ComputeMode:
         return parse_modes(self._run(*args))
 
     def set_exclusive(self) -> None:
-        """Remember each GPU's mode, then set EXCLUSIVE_PROCESS where it differs."""
-        self._saved = self.current()
-        for index, mode in sorted(self._saved.items()):
+        """Remember each GPU's mode, then set EXCLUSIVE_PROCESS where it differs. If one GPU
+        fails, those already changed are put back before the SetupError is raised."""
+        found = self.current()
+        for index, mode in sorted(found.items()):
             if mode != "EXCLUSIVE_PROCESS":
-                self._run("-i", index, "-c", "EXCLUSIVE_PROCESS")
+                try:
+                    self._run("-i", index, "-c", "EXCLUSIVE_PROCESS")
+                except SetupError:
+                    self.restore()
+                    raise
                 log.info("compute mode set gpu=%s old=%s new=EXCLUSIVE_PROCESS", index, mode)
+            self._saved[index] = mode
 
     def restore(self) -> None:
         """Put back the modes :meth:`set_exclusive` found; errors are logged, every GPU tried."""

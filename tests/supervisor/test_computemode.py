@@ -69,6 +69,17 @@ def test_failure_is_setup_error_with_output(tmp_path):
         ComputeMode(smi).set_exclusive()
 
 
+def test_a_gpu_that_fails_puts_back_the_ones_already_changed(tmp_path):
+    extra = '[ "$*" = "-i 1 -c EXCLUSIVE_PROCESS" ] && { echo "GPU 1 is busy" >&2; exit 3; }; exit 0'
+    smi, log = fake_smi(tmp_path, modes="0, Default\\n1, Prohibited\\n2, Default\\n", extra=extra)
+    mode = ComputeMode(smi)
+    with pytest.raises(SetupError, match="exited 3: GPU 1 is busy"):
+        mode.set_exclusive()
+    assert calls(log)[1:] == ["-i 0 -c EXCLUSIVE_PROCESS", "-i 1 -c EXCLUSIVE_PROCESS", "-i 0 -c DEFAULT"]
+    mode.restore()  # nothing left to put back
+    assert len(calls(log)) == 4
+
+
 def test_missing_binary(tmp_path):
     with pytest.raises(SetupError, match="cannot run"):
         ComputeMode(str(tmp_path / "none")).current()
