@@ -90,8 +90,10 @@ class DaemonProcess:
         return self.returncode is None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the daemon and everything in its session (its servers)."""
-        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
+        """SIGKILL the daemon and everything in its session (its servers). The daemon itself
+        only while it is not reaped: its PID may belong to another process by then. Its group
+        ID stays reserved while a member (a server) is left, so the group is signalled always."""
+        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: self.proc.send_signal(signal.SIGKILL)):
             try:
                 target()
             except ProcessLookupError:
