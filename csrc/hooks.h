@@ -39,6 +39,9 @@
     H(cuMemFreeAsync, MS_LIB_CUDA)                                                               \
     H(cuMemFreeAsync_ptsz, MS_LIB_CUDA)                                                          \
     H(cuMemRelease, MS_LIB_CUDA)                                                                 \
+    H(cuMemMap, MS_LIB_CUDA)                                                                     \
+    H(cuMemUnmap, MS_LIB_CUDA)                                                                   \
+    H(cuMemRetainAllocationHandle, MS_LIB_CUDA)                                                  \
     H(cuMemGetInfo_v2, MS_LIB_CUDA)                                                              \
     H(cuMemGetInfo, MS_LIB_CUDA)                                                                 \
     H(cuDeviceTotalMem_v2, MS_LIB_CUDA)                                                          \
@@ -78,6 +81,10 @@ CUresult ms_hk_cuMemFree(CUdeviceptr_v1 dptr);
 CUresult ms_hk_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream);
 CUresult ms_hk_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream);
 CUresult ms_hk_cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult ms_hk_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                        unsigned long long flags);
+CUresult ms_hk_cuMemUnmap(CUdeviceptr ptr, size_t size);
+CUresult ms_hk_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
 CUresult ms_hk_cuMemGetInfo_v2(size_t *free, size_t *total);
 CUresult ms_hk_cuMemGetInfo(unsigned int *free, unsigned int *total);
 CUresult ms_hk_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);

@@ -2,8 +2,7 @@
  * what was charged (track.h) so the matching free uncharges exactly that.
  *
  * Which device pays:
- *  - cuMemCreate: prop->location.id when location.type is DEVICE (other locations, e.g. host
- *    NUMA memory, are not device memory and pass through uncharged);
+ *  - cuMemCreate (hooks_vmm.c): prop->location.id when location.type is DEVICE;
  *  - every other allocation: the device of the calling thread's current context
  *    (cuCtxGetDevice). If that fails while caps are set, the allocation is refused with the
  *    error cuCtxGetDevice returned (e.g. CUDA_ERROR_INVALID_CONTEXT), without calling the
@@ -16,17 +15,11 @@
  * Frees of pointers or handles the shim did not charge are forwarded without uncharging. */
 #include <string.h>
 
+#include "charge.h"
 #include "hooks.h"
 #include "log.h"
 #include "state.h"
 #include "track.h"
-
-typedef struct charge {
-    int charged;
-    int dev;
-    uint64_t cap;
-    uint64_t bytes;
-} charge;
 
 static ms_ratelimit g_oom_rl;
 static ms_ratelimit g_refuse_rl;
@@ -48,7 +41,7 @@ static void report_over_cap(const char *fn, int dev, uint64_t cap, uint64_t in_u
 /* Decide whether `bytes` may be allocated on `dev` (or, dev < 0, the current context's
  * device) and charge them. CUDA_SUCCESS (c->charged says if anything was charged), or the
  * error to return without calling the driver. */
-static CUresult charge_begin(const char *fn, int dev, uint64_t bytes, charge *c)
+CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
 {
     c->charged = 0;
     if (ms_disabled())
@@ -97,7 +90,9 @@ static CUresult charge_begin(const char *fn, int dev, uint64_t bytes, charge *c)
     return CUDA_SUCCESS;
 }
 
-static void uncharge(int dev, uint64_t bytes)
+int ms_tracking(void) { return !ms_disabled() && ms_state_get()->limits.count > 0; }
+
+void ms_uncharge(int dev, uint64_t bytes)
 {
     ms_region *r = ms_state_get()->region;
     if (r != NULL)
@@ -105,15 +100,13 @@ static void uncharge(int dev, uint64_t bytes)
 }
 
 /* How to give an allocation back when it cannot be remembered. */
-typedef enum undo_kind { UNDO_FREE_V2, UNDO_FREE_V1, UNDO_RELEASE } undo_kind;
-
-static void undo_alloc(undo_kind kind, uint64_t key)
+static void undo_alloc(ms_undo_kind kind, uint64_t key)
 {
-    if (kind == UNDO_FREE_V2) {
+    if (kind == MS_UNDO_FREE_V2) {
         __typeof(ms_hk_cuMemFree_v2) *f = MS_REAL(cuMemFree_v2);
         if (f != NULL)
             f((CUdeviceptr)key);
-    } else if (kind == UNDO_FREE_V1) {
+    } else if (kind == MS_UNDO_FREE_V1) {
         __typeof(ms_hk_cuMemFree) *f = MS_REAL(cuMemFree);
         if (f != NULL)
             f((CUdeviceptr_v1)key);
@@ -125,17 +118,17 @@ static void undo_alloc(undo_kind kind, uint64_t key)
 }
 
 /* After the driver answered `rc`: roll back on failure, remember the charge on success. */
-static CUresult charge_end(const char *fn, charge *c, CUresult rc, int kind, uint64_t key, undo_kind undo)
+CUresult ms_charge_end(const char *fn, ms_charge *c, CUresult rc, int kind, uint64_t key, ms_undo_kind undo)
 {
     if (!c->charged)
         return rc;
     if (rc != CUDA_SUCCESS) {
-        uncharge(c->dev, c->bytes);
+        ms_uncharge(c->dev, c->bytes);
         return rc;
     }
     if (ms_track_add(kind, key, c->dev, c->bytes) != 0) {
         undo_alloc(undo, key);
-        uncharge(c->dev, c->bytes);
+        ms_uncharge(c->dev, c->bytes);
         ms_log(MS_LOG_ERROR, "%s refused: no memory to remember the allocation", fn);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -152,7 +145,7 @@ typedef struct forget {
  * that gets the same address cannot be forgotten instead. */
 static void forget_begin(int kind, uint64_t key, forget *f)
 {
-    f->known = !ms_disabled() && ms_state_get()->limits.count > 0 && ms_track_remove(kind, key, &f->dev, &f->bytes);
+    f->known = ms_tracking() && ms_track_remove(kind, key, &f->dev, &f->bytes);
 }
 
 static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)
@@ -160,13 +153,12 @@ static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)
     if (!f->known)
         return rc;
     if (rc == CUDA_SUCCESS)
-        uncharge(f->dev, f->bytes);
+        ms_uncharge(f->dev, f->bytes);
     else
         ms_track_add(kind, key, f->dev, f->bytes); /* the driver kept it: keep its charge */
     return rc;
 }
 
-/* The real function of hook NAME, typed like the hook. */
 /* ---- allocations ---------------------------------------------------------------------- */
 
 CUresult ms_hk_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
@@ -174,12 +166,12 @@ CUresult ms_hk_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     __typeof(ms_hk_cuMemAlloc_v2) *real = MS_REAL(cuMemAlloc_v2);
     if (real == NULL)
         return ms_no_driver("cuMemAlloc_v2");
-    charge c;
-    CUresult rc = charge_begin("cuMemAlloc_v2", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAlloc_v2", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize);
-    return charge_end("cuMemAlloc_v2", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAlloc_v2", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAlloc_v2)
 
@@ -189,12 +181,12 @@ CUresult ms_hk_cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
     __typeof(ms_hk_cuMemAlloc) *real = MS_REAL(cuMemAlloc);
     if (real == NULL)
         return ms_no_driver("cuMemAlloc");
-    charge c;
-    CUresult rc = charge_begin("cuMemAlloc", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAlloc", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize);
-    return charge_end("cuMemAlloc", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V1);
+    return ms_charge_end("cuMemAlloc", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V1);
 }
 MS_EXPORT_AS(cuMemAlloc)
 
@@ -206,9 +198,9 @@ CUresult ms_hk_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width
     __typeof(ms_hk_cuMemAllocPitch_v2) *real = MS_REAL(cuMemAllocPitch_v2);
     if (real == NULL)
         return ms_no_driver("cuMemAllocPitch_v2");
-    charge c;
+    ms_charge c;
     uint64_t estimate = sat_mul(width, height);
-    CUresult rc = charge_begin("cuMemAllocPitch_v2", -1, estimate, &c);
+    CUresult rc = ms_charge_begin("cuMemAllocPitch_v2", -1, estimate, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, pitch, width, height, elementSize);
@@ -218,17 +210,17 @@ CUresult ms_hk_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width
             uint64_t in_use = 0;
             ms_region *r = ms_state_get()->region;
             if (ms_region_charge(r, c.dev, c.cap, actual - estimate, &in_use) != MS_OK) {
-                undo_alloc(UNDO_FREE_V2, *dptr);
-                uncharge(c.dev, estimate);
+                undo_alloc(MS_UNDO_FREE_V2, *dptr);
+                ms_uncharge(c.dev, estimate);
                 report_over_cap("cuMemAllocPitch_v2", c.dev, c.cap, in_use, actual);
                 return CUDA_ERROR_OUT_OF_MEMORY;
             }
         } else if (actual < estimate) {
-            uncharge(c.dev, estimate - actual);
+            ms_uncharge(c.dev, estimate - actual);
         }
         c.bytes = actual;
     }
-    return charge_end("cuMemAllocPitch_v2", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAllocPitch_v2", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAllocPitch_v2)
 
@@ -237,12 +229,12 @@ CUresult ms_hk_cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned in
     __typeof(ms_hk_cuMemAllocManaged) *real = MS_REAL(cuMemAllocManaged);
     if (real == NULL)
         return ms_no_driver("cuMemAllocManaged");
-    charge c;
-    CUresult rc = charge_begin("cuMemAllocManaged", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAllocManaged", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize, flags);
-    return charge_end("cuMemAllocManaged", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAllocManaged", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAllocManaged)
 
@@ -252,12 +244,12 @@ CUresult ms_hk_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream stre
     __typeof(ms_hk_cuMemAllocAsync) *real = MS_REAL(cuMemAllocAsync);
     if (real == NULL)
         return ms_no_driver("cuMemAllocAsync");
-    charge c;
-    CUresult rc = charge_begin("cuMemAllocAsync", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAllocAsync", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize, stream);
-    return charge_end("cuMemAllocAsync", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAllocAsync", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAllocAsync)
 
@@ -266,12 +258,12 @@ CUresult ms_hk_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream
     __typeof(ms_hk_cuMemAllocAsync_ptsz) *real = MS_REAL(cuMemAllocAsync_ptsz);
     if (real == NULL)
         return ms_no_driver("cuMemAllocAsync_ptsz");
-    charge c;
-    CUresult rc = charge_begin("cuMemAllocAsync_ptsz", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAllocAsync_ptsz", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize, stream);
-    return charge_end("cuMemAllocAsync_ptsz", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAllocAsync_ptsz", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAllocAsync_ptsz)
 
@@ -280,12 +272,12 @@ CUresult ms_hk_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmem
     __typeof(ms_hk_cuMemAllocFromPoolAsync) *real = MS_REAL(cuMemAllocFromPoolAsync);
     if (real == NULL)
         return ms_no_driver("cuMemAllocFromPoolAsync");
-    charge c;
-    CUresult rc = charge_begin("cuMemAllocFromPoolAsync", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAllocFromPoolAsync", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize, pool, stream);
-    return charge_end("cuMemAllocFromPoolAsync", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAllocFromPoolAsync", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAllocFromPoolAsync)
 
@@ -294,36 +286,14 @@ CUresult ms_hk_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, 
     __typeof(ms_hk_cuMemAllocFromPoolAsync_ptsz) *real = MS_REAL(cuMemAllocFromPoolAsync_ptsz);
     if (real == NULL)
         return ms_no_driver("cuMemAllocFromPoolAsync_ptsz");
-    charge c;
-    CUresult rc = charge_begin("cuMemAllocFromPoolAsync_ptsz", -1, bytesize, &c);
+    ms_charge c;
+    CUresult rc = ms_charge_begin("cuMemAllocFromPoolAsync_ptsz", -1, bytesize, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize, pool, stream);
-    return charge_end("cuMemAllocFromPoolAsync_ptsz", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, UNDO_FREE_V2);
+    return ms_charge_end("cuMemAllocFromPoolAsync_ptsz", &c, rc, MS_TRACK_PTR, rc == CUDA_SUCCESS ? *dptr : 0, MS_UNDO_FREE_V2);
 }
 MS_EXPORT_AS(cuMemAllocFromPoolAsync_ptsz)
-
-CUresult ms_hk_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
-                           unsigned long long flags)
-{
-    __typeof(ms_hk_cuMemCreate) *real = MS_REAL(cuMemCreate);
-    if (real == NULL)
-        return ms_no_driver("cuMemCreate");
-    int type = 0, dev = 0;
-    if (prop != NULL) {
-        memcpy(&type, (const char *)prop + MS_PROP_LOCATION_TYPE_OFFSET, sizeof type);
-        memcpy(&dev, (const char *)prop + MS_PROP_LOCATION_ID_OFFSET, sizeof dev);
-    }
-    if (prop == NULL || type != CU_MEM_LOCATION_TYPE_DEVICE || dev < 0)
-        return real(handle, size, prop, flags); /* not device memory, or the driver refuses it */
-    charge c;
-    CUresult rc = charge_begin("cuMemCreate", dev, size, &c);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    rc = real(handle, size, prop, flags);
-    return charge_end("cuMemCreate", &c, rc, MS_TRACK_HANDLE, rc == CUDA_SUCCESS ? *handle : 0, UNDO_RELEASE);
-}
-MS_EXPORT_AS(cuMemCreate)
 
 /* ---- frees ---------------------------------------------------------------------------- */
 
@@ -371,15 +341,3 @@ CUresult ms_hk_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
     return forget_end(&f, real(dptr, stream), MS_TRACK_PTR, dptr);
 }
 MS_EXPORT_AS(cuMemFreeAsync_ptsz)
-
-/* Uncharged at release, even if the handle is still mapped (the driver frees it at unmap). */
-CUresult ms_hk_cuMemRelease(CUmemGenericAllocationHandle handle)
-{
-    __typeof(ms_hk_cuMemRelease) *real = MS_REAL(cuMemRelease);
-    if (real == NULL)
-        return ms_no_driver("cuMemRelease");
-    forget f;
-    forget_begin(MS_TRACK_HANDLE, handle, &f);
-    return forget_end(&f, real(handle), MS_TRACK_HANDLE, handle);
-}
-MS_EXPORT_AS(cuMemRelease)

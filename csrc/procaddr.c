@@ -51,6 +51,9 @@ static const variant VARIANTS[] = {
     {"cuMemFreeAsync", 11020, 1, MS_ID_cuMemFreeAsync_ptsz},
     {"cuMemCreate", 10020, 0, MS_ID_cuMemCreate},
     {"cuMemRelease", 10020, 0, MS_ID_cuMemRelease},
+    {"cuMemMap", 10020, 0, MS_ID_cuMemMap},
+    {"cuMemUnmap", 10020, 0, MS_ID_cuMemUnmap},
+    {"cuMemRetainAllocationHandle", 11000, 0, MS_ID_cuMemRetainAllocationHandle},
 };
 
 /* The variants the driver's rule can pick for `version`: the newest legacy-stream one and

@@ -1,4 +1,4 @@
-/* Allocation tracker (contract in track.h): (kind, key) -> (device, bytes).
+/* Allocation tracker (contract in track.h): (kind, key) -> (device, bytes, aux, holds).
  *
  * 64 shards chosen by the top bits of a 64-bit mix of the key, each an open-addressing table
  * with linear probing and tombstones, guarded by its own small spinlock: threads that free
@@ -10,6 +10,7 @@
 #include "track.h"
 
 #include <sched.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <pthread.h>
 
@@ -22,7 +23,9 @@ enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2 };
 typedef struct ms_entry {
     uint64_t key;
     uint64_t bytes;
+    uint64_t aux;
     int32_t dev;
+    int32_t holds; /* references that keep the entry (see ms_track_hold) */
     uint8_t state;
     uint8_t kind;
 } ms_entry;
@@ -108,7 +111,7 @@ static int ms_grow(ms_shard *s) {
     return 0;
 }
 
-int ms_track_add(int kind, uint64_t key, int dev, uint64_t bytes) {
+int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t aux) {
     uint64_t h = ms_mix(kind, key);
     ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
     int rc = 0;
@@ -117,32 +120,61 @@ int ms_track_add(int kind, uint64_t key, int dev, uint64_t bytes) {
     if (at >= 0) { /* the driver reused a live key: the newest allocation wins */
         s->e[at].dev = dev;
         s->e[at].bytes = bytes;
+        s->e[at].aux = aux;
+        s->e[at].holds = 1;
     } else if ((uint64_t)(s->live + s->tombs + 1) * 4 > (uint64_t)s->cap * 3 && ms_grow(s) != 0) {
         rc = -1;
     } else {
         uint32_t mask = s->cap - 1, i = (uint32_t)h & mask;
         while (s->e[i].state == MS_E_FULL) i = (i + 1) & mask;
         if (s->e[i].state == MS_E_TOMB) s->tombs--;
-        s->e[i] = (ms_entry){.key = key, .bytes = bytes, .dev = dev, .state = MS_E_FULL, .kind = (uint8_t)kind};
+        s->e[i] = (ms_entry){.key = key, .bytes = bytes, .aux = aux, .dev = dev, .holds = 1, .state = MS_E_FULL,
+                             .kind = (uint8_t)kind};
         s->live++;
     }
     ms_spin_unlock(&s->lock);
     return rc;
 }
 
-int ms_track_remove(int kind, uint64_t key, int *dev, uint64_t *bytes) {
+int ms_track_add(int kind, uint64_t key, int dev, uint64_t bytes) { return ms_track_add_aux(kind, key, dev, bytes, 0); }
+
+/* Under the shard lock: forget entry `at`, giving its values back. */
+static void ms_forget(ms_shard *s, int64_t at, int *dev, uint64_t *bytes, uint64_t *aux) {
+    ms_entry *e = &s->e[at];
+    if (dev) *dev = e->dev;
+    if (bytes) *bytes = e->bytes;
+    if (aux) *aux = e->aux;
+    e->state = MS_E_TOMB;
+    s->live--;
+    s->tombs++;
+}
+
+int ms_track_remove_aux(int kind, uint64_t key, int *dev, uint64_t *bytes, uint64_t *aux) {
     uint64_t h = ms_mix(kind, key);
     ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
     ms_spin_lock(&s->lock);
     int64_t at = ms_find(s, kind, key, h);
-    if (at >= 0) {
-        ms_entry *e = &s->e[at];
-        if (dev) *dev = e->dev;
-        if (bytes) *bytes = e->bytes;
-        e->state = MS_E_TOMB;
-        s->live--;
-        s->tombs++;
-    }
+    if (at >= 0) ms_forget(s, at, dev, bytes, aux);
     ms_spin_unlock(&s->lock);
     return at >= 0;
+}
+
+int ms_track_remove(int kind, uint64_t key, int *dev, uint64_t *bytes) {
+    return ms_track_remove_aux(kind, key, dev, bytes, NULL);
+}
+
+int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    int rc = -1;
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find(s, kind, key, h);
+    if (at >= 0) {
+        long long holds = (long long)s->e[at].holds + delta;
+        s->e[at].holds = (int32_t)(holds > INT32_MAX ? INT32_MAX : holds < 0 ? 0 : holds);
+        rc = holds <= 0;
+        if (rc) ms_forget(s, at, dev, bytes, NULL);
+    }
+    ms_spin_unlock(&s->lock);
+    return rc;
 }

@@ -7,11 +7,22 @@
 
 #include <stdint.h>
 
-enum { MS_TRACK_PTR = 0, MS_TRACK_HANDLE = 1 };
+/* PTR: a device pointer; HANDLE: a cuMemCreate handle; MAP: a cuMemMap mapping (key = its
+ * address, bytes = its size, aux = the handle mapped there). */
+enum { MS_TRACK_PTR = 0, MS_TRACK_HANDLE = 1, MS_TRACK_MAP = 2 };
 
-/* 0 on success, -1 if memory for the table could not be had. */
+/* 0 on success, -1 if memory for the table could not be had. A new entry has one hold; adding
+ * a key that is already there replaces its values (and its holds: 1). */
 int ms_track_add(int kind, uint64_t key, int dev, uint64_t bytes);
+/* Same, carrying a second value along. */
+int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t aux);
 /* 1 and the recorded device and size if the key was known (and is now forgotten), else 0. */
 int ms_track_remove(int kind, uint64_t key, int *dev, uint64_t *bytes);
+/* Same, also giving back the second value (0 if none was added). */
+int ms_track_remove_aux(int kind, uint64_t key, int *dev, uint64_t *bytes, uint64_t *aux);
+/* Counted entries (a cuMemCreate handle lives while it is unreleased or mapped): add `delta` to
+ * the entry's holds. -1 if the key is unknown; 0 if it is still held; 1 if its holds reached 0:
+ * the entry is then forgotten and *dev, *bytes say what it was charged with. */
+int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes);
 
 #endif

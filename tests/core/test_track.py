@@ -17,7 +17,8 @@ from tests.core.conftest import VARIANTS, LineProc, driver_env
 keys = st.sampled_from([0, 1, 2, 0x7F0000000000, 0x7F0000000200, 1 << 63, (1 << 64) - 1]) | st.integers(0, 40)
 adds = st.tuples(st.just("a"), st.integers(0, 1), keys, st.integers(0, 63), st.integers(0, (1 << 64) - 1))
 removes = st.tuples(st.just("r"), st.integers(0, 1), keys)
-programs = st.lists(adds | removes, max_size=200)
+holds = st.tuples(st.just("h"), st.integers(0, 1), keys, st.integers(-3, 3))
+programs = st.lists(adds | removes | holds, max_size=200)
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,25 @@ def trackers(core_bin: Path) -> Iterator[list[LineProc]]:
 
 def run_program(proc: LineProc, program: list[tuple[object, ...]]) -> None:
     model: dict[tuple[int, int], tuple[int, int]] = {}
+    held: dict[tuple[int, int], int] = {}  # an entry starts with one hold; forgotten at zero
     for op in program:
         if op[0] == "a":
             _, kind, key, dev, size = op
             assert proc.ask(f"a {kind} {key} {dev} {size}") == "ok"
             model[(kind, key)] = (dev, size)  # type: ignore[index]
+            held[(kind, key)] = 1  # type: ignore[index]
+        elif op[0] == "h":
+            _, kind, key, delta = op
+            k = (kind, key)
+            if k not in model:
+                assert proc.ask(f"h {kind} {key} {delta}") == "unknown"
+                continue
+            held[k] = max(0, held[k] + delta)  # type: ignore[index,operator]
+            if held[k] == 0:
+                dev, size = model.pop(k)  # type: ignore[arg-type]
+                assert proc.ask(f"h {kind} {key} {delta}") == f"1 {dev} {size}"
+            else:
+                assert proc.ask(f"h {kind} {key} {delta}") == "held"
         else:
             _, kind, key = op
             want = model.pop((kind, key), None)  # type: ignore[arg-type]

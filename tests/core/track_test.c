@@ -1,7 +1,9 @@
 /* Drives csrc/track.c from tests.
  *
- *   track_test ops        stdin lines "a KIND KEY DEV BYTES" / "r KIND KEY"; answers "ok"/"fail"
- *                         for adds, "1 DEV BYTES" or "0" for removes (Python keeps the model).
+ *   track_test ops        stdin lines "a KIND KEY DEV BYTES" / "r KIND KEY" / "h KIND KEY DELTA";
+ *                         answers "ok"/"fail" for adds, "1 DEV BYTES" or "0" for removes and
+ *                         for holds that reached zero, "held" or "unknown" for other holds
+ *                         (Python keeps the model).
  *   track_test threads N OPS SEED
  *                         N threads each run OPS random adds/removes on keys of their own plus
  *                         keys handed over between threads, checked against per-thread models;
@@ -27,6 +29,14 @@ static int ops(void) {
                 printf("1 %d %llu\n", d, (unsigned long long)b);
             else
                 printf("0\n");
+        } else if (sscanf(line, "h %d %llu %d", &kind, &key, &dev) == 3) {
+            int d = -7;
+            uint64_t b = 7;
+            int rc = ms_track_hold(kind, key, dev, &d, &b);
+            if (rc == 1)
+                printf("1 %d %llu\n", d, (unsigned long long)b);
+            else
+                printf("%s\n", rc == 0 ? "held" : "unknown");
         } else {
             printf("what? %s", line);
         }

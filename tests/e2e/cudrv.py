@@ -135,6 +135,17 @@ class Driver:
     def mem_release(self, handle: int) -> None:
         self.call("cuMemRelease", c_ulonglong(handle))
 
+    def mem_map(self, va: int, size: int, handle: int) -> None:
+        self.call("cuMemMap", c_ulonglong(va), c_size_t(size), c_size_t(0), c_ulonglong(handle), c_ulonglong(0))
+
+    def mem_unmap(self, va: int, size: int) -> None:
+        self.call("cuMemUnmap", c_ulonglong(va), c_size_t(size))
+
+    def mem_retain(self, va: int) -> int:
+        handle = c_ulonglong()
+        self.call("cuMemRetainAllocationHandle", byref(handle), c_void_p(va))
+        return handle.value
+
     def mem_info(self) -> tuple[int, int]:
         free, total = c_size_t(), c_size_t()
         self.call("cuMemGetInfo_v2", byref(free), byref(total))

@@ -27,6 +27,12 @@ EXPORT CUresult cuGetErrorString(CUresult e, const char **s) { ENTER(cuGetErrorS
 EXPORT CUresult cuGetErrorName(CUresult e, const char **s) { ENTER(cuGetErrorName); return error_field(e, s, 1); }
 
 /* ---- cuGetProcAddress: (base name, ABI version, per-thread-stream?) -> exported function -- */
+/* Exported by fake_cuda_mem.c but not declared in fake_cuda.h. */
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                         unsigned long long flags);
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr);
+
 #define P(base, ver, fn) {#base, ver, 0, (void *)fn}
 #define PT(base, ver, fn) {#base, ver, 1, (void *)fn}
 static const struct { const char *base; int version, ptsz; void *fn; } procs[] = {
@@ -50,6 +56,8 @@ static const struct { const char *base; int version, ptsz; void *fn; } procs[] =
     PT(cuMemAllocFromPoolAsync, 11020, cuMemAllocFromPoolAsync_ptsz),
     P(cuMemFreeAsync, 11020, cuMemFreeAsync), PT(cuMemFreeAsync, 11020, cuMemFreeAsync_ptsz),
     P(cuMemCreate, 10020, cuMemCreate), P(cuMemRelease, 10020, cuMemRelease),
+    P(cuMemMap, 10020, cuMemMap), P(cuMemUnmap, 10020, cuMemUnmap),
+    P(cuMemRetainAllocationHandle, 11000, cuMemRetainAllocationHandle),
     P(cuMemPoolCreate, 11020, cuMemPoolCreate), P(cuMemPoolDestroy, 11020, cuMemPoolDestroy),
     P(cuDeviceGetDefaultMemPool, 11020, cuDeviceGetDefaultMemPool),
     P(cuStreamCreate, 2000, cuStreamCreate), P(cuStreamDestroy, 4000, cuStreamDestroy_v2),

@@ -15,8 +15,10 @@ static CUresult stream_dev(CUstream s, int *dev) {
 }
 
 /* ---- live allocations: chained hash keyed by pointer or handle ------------------------- */
-enum { K_PTR = 1, K_HANDLE = 2 };
-struct alloc { unsigned long long key, bytes; int dev, kind; struct alloc *next; };
+enum { K_PTR = 1, K_HANDLE = 2, K_MAP = 3 };
+/* K_HANDLE: holds = 1 while unreleased + its mappings (memory freed when it reaches 0).
+ * K_MAP: key = mapped address, bytes = mapping size, ref = the handle mapped there. */
+struct alloc { unsigned long long key, bytes, ref; int dev, kind, holds; struct alloc *next; };
 #define BUCKETS 4096
 static struct alloc *table[BUCKETS];
 static struct alloc *spare; /* free list of nodes */
@@ -44,7 +46,7 @@ static CUresult take(int dev, unsigned long long bytes, int kind, int narrow, un
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     used_mem[dev] += bytes;
-    *a = (struct alloc){*next, bytes, dev, kind, NULL};
+    *a = (struct alloc){*next, bytes, 0, dev, kind, 1, NULL};
     *next += step;
     unsigned b = bucket(a->key);
     a->next = table[b];
@@ -188,7 +190,92 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes, const
     if (!h || flags) return CUDA_ERROR_INVALID_VALUE;
     return take(dev, bytes, K_HANDLE, 0, h);
 }
-EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) { ENTER(cuMemRelease); NEED_INIT(); return give(h, K_HANDLE); }
+/* Virtual memory management (under `lock`): a handle's memory lives while it is unreleased or
+ * mapped, as the real driver's does (cuMemUnmap: "backing memory allocations will be freed if
+ * there are no existing mappings and there are no unreleased memory handles"). */
+static struct alloc **find_locked(unsigned long long key, int kind) {
+    for (struct alloc **pp = &table[bucket(key)]; *pp; pp = &(*pp)->next)
+        if ((*pp)->key == key && (*pp)->kind == kind) return pp;
+    return NULL;
+}
+static void unlink_locked(struct alloc **pp) {
+    struct alloc *a = *pp;
+    *pp = a->next;
+    a->next = spare;
+    spare = a;
+}
+static void drop_handle_locked(unsigned long long h) {
+    struct alloc **pp = find_locked(h, K_HANDLE);
+    if (pp && --(*pp)->holds == 0) {
+        used_mem[(*pp)->dev] -= (*pp)->bytes;
+        unlink_locked(pp);
+    }
+}
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    ENTER(cuMemRelease); NEED_INIT();
+    pthread_mutex_lock(&lock);
+    struct alloc **pp = find_locked(h, K_HANDLE);
+    if (pp) drop_handle_locked(h);
+    pthread_mutex_unlock(&lock);
+    return pp ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+/* Not in fake_cuda.h's counter list (FAKE_CUDA_FUNCS): these three are not counted. */
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                         unsigned long long flags);
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr);
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                         unsigned long long flags) {
+    NEED_INIT();
+    if (!ptr || !size || offset || flags) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc **hp = find_locked(h, K_HANDLE);
+    struct alloc *m = spare;
+    CUresult r = !hp ? CUDA_ERROR_INVALID_HANDLE
+               : size > (*hp)->bytes || find_locked(ptr, K_MAP) ? CUDA_ERROR_INVALID_VALUE
+               : !m && !(m = malloc(sizeof *m)) ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
+    if (!r) {
+        if (m == spare) spare = m->next;
+        (*hp)->holds++;
+        *m = (struct alloc){ptr, size, h, (*hp)->dev, K_MAP, 1, table[bucket(ptr)]};
+        table[bucket(ptr)] = m;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+/* [ptr, ptr + size) must be exactly whole mappings, one after the other. */
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    unsigned long long end = ptr + size, at = ptr;
+    if (!ptr || !size || end < ptr) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    for (struct alloc **pp; at < end && (pp = find_locked(at, K_MAP)) && (*pp)->bytes <= end - at;)
+        at += (*pp)->bytes;
+    CUresult r = at == end ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    for (at = ptr; !r && at < end;) {
+        struct alloc **pp = find_locked(at, K_MAP);
+        unsigned long long h = (*pp)->ref;
+        at += (*pp)->bytes;
+        unlink_locked(pp);
+        drop_handle_locked(h);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+/* The handle mapped at exactly `addr` (the real driver also accepts addresses inside it). */
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr) {
+    NEED_INIT();
+    if (!h) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc **mp = find_locked((unsigned long long)(uintptr_t)addr, K_MAP);
+    struct alloc **hp = mp ? find_locked((*mp)->ref, K_HANDLE) : NULL;
+    if (hp) {
+        (*hp)->holds++;
+        *h = (*hp)->key;
+    }
+    pthread_mutex_unlock(&lock);
+    return hp ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
 EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props) {
     ENTER(cuMemPoolCreate); NEED_INIT();
     int dev;

@@ -98,6 +98,8 @@ static const struct { const char *base; int ver; int ptsz; const char *name; } v
     {"cuMemAllocFromPoolAsync", 11020, 1, "cuMemAllocFromPoolAsync_ptsz"},
     {"cuMemFreeAsync", 11020, 0, "cuMemFreeAsync"}, {"cuMemFreeAsync", 11020, 1, "cuMemFreeAsync_ptsz"},
     {"cuMemCreate", 10020, 0, "cuMemCreate"}, {"cuMemRelease", 10020, 0, "cuMemRelease"},
+    {"cuMemMap", 10020, 0, "cuMemMap"}, {"cuMemUnmap", 10020, 0, "cuMemUnmap"},
+    {"cuMemRetainAllocationHandle", 11000, 0, "cuMemRetainAllocationHandle"},
     {"cuDeviceGetDefaultMemPool", 11020, 0, "cuDeviceGetDefaultMemPool"},
     {"cuLaunchKernel", 4000, 0, "cuLaunchKernel"}, {"cuLaunchKernel", 7000, 1, "cuLaunchKernel_ptsz"},
 };

@@ -219,6 +219,9 @@ VARIANTS = {
     "cuMemFreeAsync": [(11020, False, "cuMemFreeAsync"), (11020, True, "cuMemFreeAsync_ptsz")],
     "cuMemCreate": [(10020, False, "cuMemCreate")],
     "cuMemRelease": [(10020, False, "cuMemRelease")],
+    "cuMemMap": [(10020, False, "cuMemMap")],
+    "cuMemUnmap": [(10020, False, "cuMemUnmap")],
+    "cuMemRetainAllocationHandle": [(11000, False, "cuMemRetainAllocationHandle")],
     "cuLaunchKernel": [(4000, False, "cuLaunchKernel"), (7000, True, "cuLaunchKernel_ptsz")],
     "cuDevicePrimaryCtxRetain": [(7000, False, "cuDevicePrimaryCtxRetain")],
 }
@@ -242,6 +245,9 @@ HOOKED = {
     "cuMemFreeAsync_ptsz",
     "cuMemCreate",
     "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemRetainAllocationHandle",
 }
 
 
