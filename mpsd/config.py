@@ -51,7 +51,8 @@ def _bool(value: Any) -> bool:
 
 def _int_range(low: int, high: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())):
+        is_digits = isinstance(value, str) and value.isascii() and value.isdigit()
+        if isinstance(value, bool) or not (isinstance(value, int) or is_digits):
             raise ValueError(f"an integer {low}..{high}")
         number = int(value)
         if not low <= number <= high:
@@ -118,13 +119,19 @@ def _visible_devices(value: Any) -> str | None:
 
 
 def _address(value: Any) -> str:
+    """What the metrics server accepts (mpsd.metrics.parse_address), so check-config catches
+    an address that ``mpsd run`` would refuse."""
+    from .metrics import parse_address
+
     if value == "" or value is None:
         return ""
     if isinstance(value, str):
-        host, sep, port = value.rpartition(":")
-        if sep and port.isdigit() and 0 <= int(port) <= 65535:
+        try:
+            parse_address(value)
             return value
-    raise ValueError('host:port such as "0.0.0.0:9400", or "" to disable')
+        except ConfigError:
+            pass
+    raise ValueError('host:port such as "0.0.0.0:9400" or "[::1]:9400", port 0..65535, or "" to disable')
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
@@ -351,7 +358,9 @@ def _flatten(path: str, data: dict, prefix: str, out: dict[str, Any]) -> None:
             continue
         if key in BY_KEY:
             out[key] = value
-        elif isinstance(value, dict) and any(k.startswith(key + ".") for k in BY_KEY):
+        elif any(k.startswith(key + ".") for k in BY_KEY):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {key}: expected a mapping of its settings, got {_show(value)}")
             _flatten(path, value, key + ".", out)
         else:
             known = sorted(

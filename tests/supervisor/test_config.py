@@ -121,6 +121,13 @@ def test_every_setting_has_flag_and_env():
         ("version: v1\nhealthInterval: 0s\n", "healthInterval: expected a duration above zero"),
         ("version: v1\nexclusiveProcess: maybe\n", 'exclusiveProcess: expected true or false, got "maybe"'),
         ("version: v1\nmetricsAddress: localhost\n", "metricsAddress: expected host:port"),
+        ("version: v1\nmetricsAddress: '::1:9400'\n", "metricsAddress: expected host:port"),  # IPv6 needs [ ]
+        ("version: v1\nmetricsAddress: 'a b:9400'\n", "metricsAddress: expected host:port"),
+        ("version: v1\nmetricsAddress: 'localhost:²'\n", "metricsAddress: expected host:port"),
+        ("version: v1\nmetricsAddress: 'localhost:65536'\n", "metricsAddress: expected host:port"),
+        ("version: v1\ndevicePlugin:\n  slicesPerGpu: '²'\n", "slicesPerGpu: expected an integer 1..100, got"),
+        ("version: v1\ndevicePlugin:\n  slicesPerGpu: '٣'\n", "slicesPerGpu: expected an integer 1..100, got"),
+        ("version: v1\ndevicePlugin: null\n", "devicePlugin: expected a mapping of its settings, got None"),
         ("version: v1\nvisibleDevices: all\n", "visibleDevices: expected a comma-separated list"),
         ("version: v1\nlogLevel: loud\n", "logLevel: expected debug | info | warning | error"),
         ("version: v1\ndevicePlugin:\n  ipcMode: host\n", "devicePlugin.ipcMode: expected hostIPC or tmpfs"),
@@ -141,6 +148,11 @@ def test_file_errors_are_one_line_naming_the_key(tmp_path, text, message):
     assert message in text
     assert text.startswith(path)
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:9400", ":9400", "[::1]:0", "localhost:9400", "10.0.0.1:65535", ""])
+def test_metrics_addresses_accepted(address):
+    assert cfg.load(None, {}, {"metrics-address": address}).metrics_address == address
 
 
 def test_env_and_flag_errors_name_their_origin():
