@@ -132,28 +132,76 @@ def _gpu_lister(inventory) -> Callable[[], list]:
     return gpus
 
 
-def _observer(metrics, inventory, gpus: Callable[[], list], board: HealthBoard) -> Callable[[Status], None]:
-    """Push each supervisor status (and NVML's view) into the Prometheus objects."""
+class InventoryPump:
+    """Reads NVML in its own thread for the GPU series and the FAULT mapping. NVML can block
+    for seconds on a GPU in trouble; the supervisor loop (health checks, restarts, SIGTERM)
+    must never wait on it. Requests coalesce: a refresh reads the latest state."""
+
+    def __init__(self, inventory, metrics, board: HealthBoard) -> None:
+        self._inventory, self._metrics, self._board = inventory, metrics, board
+        self._cond = threading.Condition()
+        self._pending = self._closed = False
+        self._indices: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="nvml-refresh", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        with self._cond:
+            self._pending = True
+            self._cond.notify()
+
+    def gpu_indices(self) -> list[int]:
+        """The GPU indices of the last successful listing (kept when NVML fails meanwhile)."""
+        with self._cond:
+            return list(self._indices)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    return
+                self._pending = False
+            self.refresh()
+
+    def refresh(self) -> None:
+        if self._inventory is None:
+            return
+        try:
+            listed = self._inventory.gpus()
+            clients = self._inventory.mps_clients() if self._metrics is not None else []
+        except InventoryError as exc:
+            log.warning("NVML query failed: %s", exc)
+            return
+        with self._cond:
+            self._indices = [g.index for g in listed]
+        if self._metrics is not None:
+            health = self._board.current()
+            self._metrics.update_gpus(listed, clients)
+            self._metrics.set_device_health({g.index: health.gpu_healthy(g.index) for g in listed})
+
+
+def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
+    """Push each supervisor status into the Prometheus objects; NVML's view is refreshed by
+    the pump's thread."""
 
     def observe(status: Status) -> None:
-        if metrics is None:
-            return
-        health = board.current()
-        metrics.update_supervisor(
-            daemon_up=status.state == "running",
-            restarts=status.restarts,
-            health_latency=status.health_latency,
-            last_error=status.last_error,
-            servers=len(status.servers),
-            config_generation=status.config_generation,
-        )
-        if inventory is not None and status.state == "running":
-            try:
-                listed = gpus()
-                metrics.update_gpus(listed, inventory.mps_clients())
-                metrics.set_device_health({g.index: health.gpu_healthy(g.index) for g in listed})
-            except InventoryError as exc:
-                log.warning("NVML query failed: %s", exc)
+        if metrics is not None:
+            metrics.update_supervisor(
+                daemon_up=status.state == "running",
+                restarts=status.restarts,
+                health_latency=status.health_latency,
+                last_error=status.last_error,
+                servers=len(status.servers),
+                config_generation=status.config_generation,
+            )
+        pump.request()  # also when down: the device health series follows the board
 
     return observe
 
@@ -173,12 +221,14 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
         from .metrics import Metrics, serve
 
         metrics = Metrics()
+    pump = InventoryPump(inventory, metrics, board)
+    pump.refresh()  # the GPU indices, before any health check needs them
     supervisor = Supervisor(
         config,
         board,
         reload=reload,
-        gpu_indices=lambda: [g.index for g in gpus()],
-        on_status=_observer(metrics, inventory, gpus, board),
+        gpu_indices=pump.gpu_indices,
+        on_status=_observer(metrics, pump),
     )
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     if metrics is not None:
@@ -194,6 +244,7 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
             plugin_thread.join(10)
         if server is not None:
             server.close()
+        pump.close()
         if inventory is not None:
             inventory.close()
 
