@@ -1,8 +1,8 @@
 /* cuInit and the memory queries frameworks size their pools from.
  *
  * For a capped device: total = min(cap, physical total); free = min(real free, cap - used),
- * never below 0 (used is the container-wide usage in the region, so every process of the
- * container sees the same slice). With an unusable region free is reported as 0, matching
+ * never below 0 (used is the container-wide usage in the region, after dead processes' charges
+ * are given back, so every process of the container sees the same slice). With an unusable region free is reported as 0, matching
  * the refusal of every allocation. Uncapped devices report what the driver says. */
 #include "hooks.h"
 #include "log.h"
@@ -40,7 +40,7 @@ static void clamp_to_cap(int dev, uint64_t cap, uint64_t *free_b, uint64_t *tota
 {
     ms_region *r = ms_state_get()->region;
     uint64_t total = cap < *total_b ? cap : *total_b;
-    uint64_t used = r != NULL ? ms_region_used(r, dev) : cap;
+    uint64_t used = r != NULL ? ms_region_used_live(r, dev) : cap;
     uint64_t avail = cap > used ? cap - used : 0;
     if (avail > total)
         avail = total;

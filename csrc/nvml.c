@@ -66,7 +66,7 @@ static void clamp(uint64_t cap, int ordinal, unsigned long long *total, unsigned
 {
     ms_region *r = ms_state_get()->region;
     uint64_t t = cap < *total ? cap : *total;
-    uint64_t u = (r != NULL && ordinal >= 0) ? ms_region_used(r, ordinal) : (r == NULL ? t : 0);
+    uint64_t u = (r != NULL && ordinal >= 0) ? ms_region_used_live(r, ordinal) : (r == NULL ? t : 0);
     if (u > t)
         u = t;
     if (*free_b > t - u)

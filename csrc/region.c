@@ -201,6 +201,11 @@ uint64_t ms_region_used(const ms_region *r, int dev) {
     return ms_ld(&r->hdr->used[dev]);
 }
 
+uint64_t ms_region_used_live(ms_region *r, int dev) {
+    if (ms_region_used(r, dev) > 0) ms_region_reclaim(r);
+    return ms_region_used(r, dev);
+}
+
 int ms_region_reclaim(ms_region *r) {
     if (r == NULL || ms_lock(r) != 0) return 0;
     int n = ms_reclaim_locked(r);

@@ -43,6 +43,10 @@ int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64
  * callers that ignore it may keep calling it as a void function). */
 uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes);
 uint64_t ms_region_used(const ms_region *r, int dev);
+/* The same after giving back dead processes' charges, if any are counted on `dev` (takes the
+ * lock and tests liveness: for memory queries, so a crashed process of the container does not
+ * shrink the free memory reported until the next refused charge). */
+uint64_t ms_region_used_live(ms_region *r, int dev);
 
 /* Give back the charges of dead processes. Returns how many slots were reclaimed. */
 int ms_region_reclaim(ms_region *r);

@@ -220,3 +220,24 @@ def test_get_proc_address_per_thread_stream_variant_is_hooked_too(run_py, shim_e
         shim_env(limit="0=64M"),
     )
     assert r.one == {"status": 0, "lib": "libmpsshim.so", "ok": 0, "over": 2, "calls": 1}
+
+
+def test_memory_queries_give_back_what_a_killed_process_of_the_container_held(run_py, shim_env, holder_exe, tmp_path):
+    # This process opened the region before the other one charged and died: the dead
+    # process's charge must not keep shrinking the free memory it reports.
+    region = tmp_path / "region"
+    r = run_py(
+        f"""
+        import subprocess
+        d = Driver(); d.init()
+        d.alloc(1 << 20)
+        h = subprocess.Popen([{str(holder_exe)!r}, {str(region)!r}, "0:{G}:{512 * M}"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        assert h.stdout.readline().strip() == "ready"
+        emit(held=d.mem_info())
+        h.kill(); h.wait()
+        emit(killed=d.mem_info())
+        """,
+        shim_env(limit="0=1G", region=region),
+    )
+    assert r.records == [{"held": [G - 513 * M, G]}, {"killed": [G - M, G]}]

@@ -17,17 +17,6 @@ G = 1 << 30
 M = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def holder_exe(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("holder") / "region_holder"
-    subprocess.run(
-        ["cc", "-std=gnu11", "-O2", "-D_GNU_SOURCE", "-I", str(REPO / "csrc"), str(REPO / "tests/e2e/region_holder.c"),
-         str(REPO / "csrc/region.c"), str(REPO / "csrc/region_open.c"), "-o", str(exe), "-lpthread"],
-        check=True,
-    )
-    return exe
-
-
 def hold(exe, region, *charges):
     proc = subprocess.Popen([exe, region, *charges], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
