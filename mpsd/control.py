@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .errors import ControlError, ControlTimeout, DaemonNotRunning, MpsdError
@@ -286,8 +286,19 @@ class ConfigureError(MpsdError):
     """A default did not read back as set."""
 
 
-def apply_defaults(control: Control, config: "Config") -> None:
-    """Set the daemon-wide defaults and read each back; ConfigureError on a mismatch."""
+def apply_defaults(control: Control, config: "Config", previous: "Config | None" = None) -> None:
+    """Set the daemon-wide defaults and read each back; ConfigureError on a mismatch.
+
+    ``previous``: the config the running daemon got before (a reload). A device limit it had
+    and ``config`` drops is removed (a limit of 0 unsets it); a client priority it set and
+    ``config`` leaves empty goes back to the driver's default, 0."""
+    if previous is not None:
+        for device in previous.pinned_mem_limit.keys() - config.pinned_mem_limit.keys():
+            control.set_default_device_pinned_mem_limit(device, "0")
+            if isinstance(device, int) and (left := control.get_default_device_pinned_mem_limit(device)) is not None:
+                raise ConfigureError(f"pinnedMemLimit: device {device} unset, daemon reads back {left!r} bytes")
+        if previous.client_priority is not None and config.client_priority is None:
+            config = replace(config, client_priority=0)
     wanted = config.active_thread_percentage
     control.set_default_active_thread_percentage(wanted)
     got = control.get_default_active_thread_percentage()

@@ -332,7 +332,8 @@ class Supervisor:
             log.error("reload failed, keeping the running config: %s", exc)
             self.board.update(last_error=f"reload failed: {exc}")
             return
-        changed = changed_keys(self.config, new)
+        previous = self.config
+        changed = changed_keys(previous, new)
         later = [k for k in changed if k not in LIVE_KEYS]
         for key in later:
             log.warning("reload key=%s changed: applies only after mpsd restarts", key)
@@ -347,7 +348,7 @@ class Supervisor:
         log.info("reloaded applied=%s deferred=%s", ",".join(sorted(live)) or "-", ",".join(later) or "-")
         if live & {"activeThreadPercentage", "pinnedMemLimit", "clientPriority"} and self._daemon is not None:
             try:
-                apply_defaults(self.control(), merged)
+                apply_defaults(self.control(), merged, previous=previous)
                 log.info("new defaults applied: they reach servers started from now on")
             except (ControlError, ConfigureError) as exc:
                 self._retire(self._daemon, f"re-applying defaults after reload failed: {exc}")

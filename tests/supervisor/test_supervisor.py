@@ -134,6 +134,18 @@ def test_reload_applies_new_defaults_live_and_defers_the_rest(make_config, run_s
     reads_back(config, 20.0, {0: 3 * G})
 
 
+def test_reload_removes_defaults_the_new_config_drops(make_config, run_supervisor):
+    config = make_config(**{"pinned-mem-limit": "0=2G,1=1G", "client-priority": "1"})
+    new = make_config(**{"pinned-mem-limit": "0=3G"})
+    r = run_supervisor(config, reload=lambda: new)
+    r.wait_for(lambda s: s.configured)
+    reads_back(config, 100.0, {0: 2 * G, 1: 1 * G}, priority=1)
+    r.sup.reload()
+    wait_until(lambda: r.sup.status().config_generation == 2, what="reload")
+    reads_back(config, 100.0, {0: 3 * G, 1: None}, priority=0)  # as a restarted daemon would have them
+    assert r.board.current().configured
+
+
 class FaultyServers:
     """The real front-end, plus one MPS server in the given state (no GPU makes real ones)."""
 
