@@ -94,8 +94,15 @@ def ensure_mps_control(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return binary
 
 
-def _run(cmd: list[str], cwd: Path) -> None:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> None:
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise FetchError(
+            f"{' '.join(cmd)}: no result in {timeout:g}s:\n{exc.stdout or ''}\n{exc.stderr or ''}"
+        ) from exc
+    except OSError as exc:
+        raise FetchError(f"cannot run {cmd[0]}: {exc.strerror}") from exc
     if proc.returncode != 0:
         raise FetchError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
 
