@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args.command == "run":
             from .daemon import run
 
-            return run(config, reload=lambda: resolve(args, os.environ))
+            return run(config, reload=lambda: resolve(args, env))
         if args.command == "status":
             from .daemon import status_main
 

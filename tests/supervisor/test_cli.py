@@ -268,3 +268,19 @@ def test_status_table_shows_defaults_gpus_and_clients_with_memory():
         "     PID   SERVER DEVICE                       MEMORY  COMMAND",
         "     901      900 GPU-1                         1024M  python serve.py",
     ]
+
+
+def test_reload_reads_the_environment_main_was_given(monkeypatch, tmp_path):
+    import mpsd.daemon
+    from mpsd.cli import main
+
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("version: v1\nactiveThreadPercentage: 70\n")
+    env = {"MPSD_CONFIG": str(config), "MPSD_HEALTH_INTERVAL": "7s"}
+    seen = {}
+    monkeypatch.setattr(mpsd.daemon, "run", lambda c, reload: seen.update(first=c, reload=reload) or 0)
+    assert main(["run"], env=env) == 0
+    config.write_text("version: v1\nactiveThreadPercentage: 35\n")
+    again = seen["reload"]()
+    assert (seen["first"].health_interval, again.health_interval) == (7.0, 7.0)
+    assert again.active_thread_percentage == 35.0
