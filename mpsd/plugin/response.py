@@ -31,6 +31,12 @@ class HostPaths:
     shm_dir: str = ""
 
     def __post_init__(self) -> None:
+        # the kubelet hands these to the container runtime as mount sources (and the pipe dir
+        # as a mount target too): relative paths would resolve against the runtime's cwd
+        for key, value in (("pipeDir", self.pipe_dir), ("regionDir", self.region_dir),
+                           ("shimHostDir", self.shim_host_dir), ("shmDir", self.shm_dir)):
+            if value and not os.path.isabs(value):
+                raise PluginError(f"bad {key} {value!r}: expected an absolute host path (pods mount it)")
         if self.ipc_mode not in IPC_MODES:
             raise PluginError(f"bad ipcMode {self.ipc_mode!r}: expected one of {', '.join(IPC_MODES)}")
         if self.ipc_mode == "tmpfs" and not self.shm_dir:

@@ -61,3 +61,18 @@ def test_container_mounts():
 def test_host_paths_reject_bad_ipc_settings(ipc_mode, shm_dir, message):
     with pytest.raises(PluginError, match=message):
         HostPaths("/p", "/r", "/l", ipc_mode=ipc_mode, shm_dir=shm_dir)
+
+
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        (dict(pipe_dir="tmp/nvidia-mps"), "bad pipeDir 'tmp/nvidia-mps': expected an absolute host path"),
+        (dict(region_dir="regions"), "bad regionDir 'regions'"),
+        (dict(shim_host_dir="./lib"), "bad shimHostDir './lib'"),
+        (dict(ipc_mode="tmpfs", shm_dir="shm"), "bad shmDir 'shm'"),
+    ],
+)
+def test_host_paths_must_be_absolute(paths, message):
+    fields = {"pipe_dir": "/p", "region_dir": "/r", "shim_host_dir": "/l", **paths}
+    with pytest.raises(PluginError, match=message):
+        HostPaths(**fields)
