@@ -1,6 +1,7 @@
 """Child process for the stress test: THREADS threads allocate and free random sizes through the
-driver (under the shim) for SECONDS, mixing cuMemAlloc_v2, cuMemAllocAsync_ptsz and cuMemCreate
-with their frees, then free everything and print one JSON line:
+driver (under the shim) for SECONDS, mixing cuMemAlloc_v2, cuMemAllocAsync_ptsz, cuMemCreate and
+cuMemCreate + cuMemMap + cuMemRelease (freed by cuMemUnmap) with their frees, then free
+everything and print one JSON line:
 {"pid", "ops", "refused", "errors", "max_fake_used", "final_fake_used"}.
 
     python -m tests.e2e.stress_worker THREADS SECONDS MAX_BYTES SEED
@@ -11,20 +12,36 @@ import random
 import sys
 import threading
 import time
+from typing import Any
 
 from tests.e2e.cudrv import OUT_OF_MEMORY, CudaError, Driver, c_void_p, emit
 
+KINDS = ("plain", "async", "vmm", "mapped")
+_next_va = iter(range(0x700000000000, 1 << 48, 1 << 30))  # one GiB of address space per mapping
+_va_lock = threading.Lock()
 
-KINDS = ("plain", "async", "vmm")
+
+def map_released(d: Driver, n: int) -> tuple[int, int]:
+    """A handle mapped and released at once: the mapping alone keeps the memory (and its charge)."""
+    h = d.mem_create(n, 0)
+    with _va_lock:
+        va = next(_next_va)
+    d.mem_map(va, n, h)
+    d.mem_release(h)
+    return va, n
+
+
 ALLOC = {
     "plain": lambda d, n: d.alloc(n),
     "async": lambda d, n: d.alloc_async(n, ptsz=True),
     "vmm": lambda d, n: d.mem_create(n, 0),
+    "mapped": map_released,
 }
 FREE = {
     "plain": lambda d, p: d.free(p),
     "async": lambda d, p: d.free_async(p, ptsz=True),
     "vmm": lambda d, h: d.mem_release(h),
+    "mapped": lambda d, m: d.mem_unmap(*m),
 }
 
 
@@ -44,7 +61,7 @@ def main(threads: int, seconds: float, max_bytes: int, seed: int) -> None:
     def work(n: int) -> None:
         d.call("cuCtxSetCurrent", ctx)
         rng = random.Random(seed * 1000 + n)
-        held: list[tuple[str, int]] = []
+        held: list[tuple[str, Any]] = []
         ops = refused = peak = 0
         while time.monotonic() < deadline:
             if held and rng.random() < 0.45:
