@@ -95,7 +95,6 @@ static void init_once(void)
     char err[512];
     if (ms_region_open(s->region_path, &s->region, err, sizeof err) != 0) {
         s->region = NULL;
-        s->region_bad = 1;
         ms_log(MS_LOG_ERROR,
                "accounting region \"%s\" is unusable (%s); allocations on capped devices are refused "
                "(set MPSSHIM_REGION to a writable file path)",

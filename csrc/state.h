@@ -20,7 +20,6 @@ typedef struct ms_state {
     ms_limits limits;      /* count == 0: nothing capped */
     int limits_by_uuid;    /* some entry is keyed by UUID */
     ms_region *region;     /* NULL when not needed or unusable */
-    int region_bad;
     char region_path[4096];
 } ms_state;
 
