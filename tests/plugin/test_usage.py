@@ -181,6 +181,8 @@ def test_an_empty_list_from_a_restarting_kubelet_releases_nothing(env, kubelet):
 
 
 def test_devices_handed_out_while_a_round_decides_are_not_released(env, kubelet, monkeypatch):
+    import time
+
     import mpsd.plugin.usage as usage
 
     pr = FakePodResources(str(env.pod_resources_socket))  # lists nobody
@@ -193,7 +195,9 @@ def test_devices_handed_out_while_a_round_decides_are_not_released(env, kubelet,
         allocate(s, ids)
         (first,) = plugin.store.all()
         plugin.store.put(replace(first, created=first.created - 3600, pod="old-pod"))  # ended an hour ago
-        plugin.tracker._missing_since[first.allocation_id] = first.created - 3000
+        t0 = time.time()
+        plugin.tracker.tick(now=t0)  # unlisted: the grace period starts
+        assert len(plugin.store.all()) == 1
         decide = usage.reconcile
 
         def reconcile_then_allocate(*args, **kwargs):
@@ -203,7 +207,7 @@ def test_devices_handed_out_while_a_round_decides_are_not_released(env, kubelet,
             return result
 
         monkeypatch.setattr(usage, "reconcile", reconcile_then_allocate)
-        plugin.tracker.tick()
+        plugin.tracker.tick(now=t0 + 120)  # unlisted for two minutes: decided stale
         (kept,) = plugin.store.all()
         assert kept.allocated >= first.created and kept.pod == "old-pod"
         assert os.path.isdir(kept.region_dir)  # the new pod's region is still there
