@@ -4,6 +4,7 @@ looks like, from the pipe dir and NVML)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -27,10 +28,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes Linux SIGKILL the child when the thread that started it exits
+    (prctl PR_SET_PDEATHSIG): a SIGKILLed mpsd then leaves no daemon behind, whose control_lock
+    would stop the next ``mpsd run`` on that pipe dir. None where prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec: no locks, no allocation to speak of
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 class DaemonProcess:
-    """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log."""
+    """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log. It is
+    killed by the kernel if the thread that started it (the supervisor loop) dies."""
 
     def __init__(self, config: cfg.Config, on_exit: Callable[["DaemonProcess", int], None]) -> None:
         env = dict(os.environ)
@@ -53,6 +77,7 @@ class DaemonProcess:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent(),
             )
         except OSError as exc:
             raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc

@@ -104,6 +104,41 @@ def test_run_serves_probes_and_sigterm_exits_0_leaving_no_daemon(mps_control, mp
 
 
 @pytest.mark.mps_binary
+def test_sigkill_of_mpsd_takes_the_daemon_with_it(mps_control, mps_dirs):
+    # A daemon left behind would hold control_lock, and the next mpsd run would refuse the pipe dir.
+    args = flags(mps_control, mps_dirs)
+    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", *args], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while mpsd("status", *args).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "never up"
+            time.sleep(0.1)
+        daemon = next(c for c in psutil.Process(proc.pid).children() if c.name().startswith("nvidia-cuda-mps"))
+        proc.kill()
+        proc.wait(30)
+        psutil.wait_procs([daemon], timeout=30)
+        assert not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE
+        again = subprocess.Popen(
+            [sys.executable, "-m", "mpsd", "run", *args], cwd=REPO, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            while mpsd("status", *args).returncode != 0:
+                assert again.poll() is None, again.stderr.read()
+                assert time.monotonic() < deadline, "second mpsd never up"
+                time.sleep(0.1)
+            again.send_signal(signal.SIGTERM)
+            assert again.wait(60) == 0
+        finally:
+            if again.poll() is None:
+                again.kill()
+                again.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.mps_binary
 def test_run_reports_a_setup_error_in_one_line(mps_control, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
