@@ -50,12 +50,12 @@ void *ms_hook_by_name(const char *name, ms_lib *lib)
     return NULL;
 }
 
-void *ms_hook_by_real(const void *p)
+void *ms_hook_by_real(const void *p, ms_lib lib)
 {
     if (p == NULL)
         return NULL;
     for (int i = 0; i < MS_HOOK_COUNT; i++)
-        if (g_table[i].hook != NULL && resolve((enum ms_hook_id)i, 0) == p)
+        if (g_table[i].hook != NULL && g_table[i].lib == lib && resolve((enum ms_hook_id)i, 0) == p)
             return g_table[i].hook;
     return NULL;
 }

@@ -109,8 +109,10 @@ void *ms_real_fn_loaded(enum ms_hook_id id);
 
 /* The hook exported under exactly `name`, or NULL (also NULL for real-only entries). */
 void *ms_hook_by_name(const char *name, ms_lib *lib);
-/* If `p` is the real function of a hooked entry, that entry's hook; else NULL. */
-void *ms_hook_by_real(const void *p);
+/* If `p` is the real function of a hooked entry of library `lib`, that entry's hook; else NULL.
+ * Only entries of `lib` are looked at: resolving another library's entries while it is not
+ * loaded would search the file system for it (dlopen RTLD_NOLOAD) on every call. */
+void *ms_hook_by_real(const void *p, ms_lib lib);
 /* 1 if `p` is one of the shim's hooks. */
 int ms_is_hook(const void *p);
 /* The hook of a hooked entry. */

@@ -109,7 +109,7 @@ static void *swap_for_hook(const char *symbol, int version, cuuint64_t flags, vo
 {
     if (p == NULL || symbol == NULL || ms_disabled())
         return p;
-    void *hook = ms_hook_by_real(p);
+    void *hook = ms_hook_by_real(p, MS_LIB_CUDA);
     if (hook != NULL || ms_is_hook(p))
         return hook != NULL ? hook : p;
     const variant *legacy, *ptsz;

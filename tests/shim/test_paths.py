@@ -430,3 +430,16 @@ def test_usage_above_a_smaller_cap_reports_zero_free_without_wrapping(shim: Shim
         first.stdin.write("go\n")
         first.stdin.flush()
         assert first.wait(timeout=30) == 0
+
+
+def test_cuGetProcAddress_never_makes_the_loader_search_for_nvml(shim: ShimEnv) -> None:
+    # The runtime asks for every driver entry point at start-up (thousands of queries with
+    # cuBLAS, cuDNN and NCCL each carrying a runtime). Telling whether an answer is hooked must
+    # not look for libnvidia-ml, which this process never loads: a file system search per query.
+    cmds: list[object] = []
+    for base in ("cuLaunchKernel", "cuMemAlloc", "cuMemCreate", "cuDevicePrimaryCtxRetain"):
+        cmds += ["where", base]
+    r = shim.run("gpa2", cmds, limit="0=1G", extra={"LD_DEBUG": "libs"})
+    assert r.returncode == 0, r.stderr
+    assert [line["file"] for line in r.of("where")] == ["libcuda.so.1", "libmpsshim.so", "libmpsshim.so", "libcuda.so.1"]
+    assert "libnvidia-ml" not in r.stderr
