@@ -441,5 +441,6 @@ def test_cuGetProcAddress_never_makes_the_loader_search_for_nvml(shim: ShimEnv) 
         cmds += ["where", base]
     r = shim.run("gpa2", cmds, limit="0=1G", extra={"LD_DEBUG": "libs"})
     assert r.returncode == 0, r.stderr
-    assert [line["file"] for line in r.of("where")] == ["libcuda.so.1", "libmpsshim.so", "libmpsshim.so", "libcuda.so.1"]
+    files = [line["file"] for line in r.of("where")]
+    assert files == ["libcuda.so.1", "libmpsshim.so", "libmpsshim.so", "libcuda.so.1"]
     assert "libnvidia-ml" not in r.stderr
