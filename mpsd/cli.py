@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
             return run(config, reload=lambda: resolve(args, env))
         if args.command == "status":
-            from .daemon import status_main
+            from .status import status_main
 
             return status_main(config, as_json=args.json)
         return _exec(args, config, env)

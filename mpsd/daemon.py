@@ -1,11 +1,9 @@
-"""The ``nvidia-cuda-mps-control -f`` child process; the wiring of ``mpsd run`` (supervisor +
-NVML inventory + metrics/probes + device plugin) and ``mpsd status`` (what a running node
-looks like, from the pipe dir and NVML)."""
+"""The ``nvidia-cuda-mps-control -f`` child process and the wiring of ``mpsd run`` (supervisor +
+NVML inventory + metrics/probes + device plugin). ``mpsd status`` is in mpsd/status.py."""
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -13,14 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import config as cfg
-from .control import Control, PsEntry
-from .errors import ControlError, DaemonNotRunning, InventoryError, MpsdError, PluginError, SetupError
+from .errors import InventoryError, MpsdError, PluginError, SetupError
 from .health import HealthBoard
-from .units import format_size
 
 if TYPE_CHECKING:
     from .supervisor import Status
@@ -134,7 +129,7 @@ class DaemonProcess:
             return False
 
 
-def _open_inventory(config: cfg.Config):
+def open_inventory(config: cfg.Config):
     try:
         from .inventory import Inventory
 
@@ -239,7 +234,7 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
     logging.getLogger().setLevel(config.log_level.upper())
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
     board = HealthBoard()
-    inventory = _open_inventory(config)
+    inventory = open_inventory(config)
     gpus = _gpu_lister(inventory)
     metrics = server = None
     if config.metrics_address:
@@ -318,87 +313,3 @@ def _start_plugin(
     thread = threading.Thread(target=serve, name="device-plugin", daemon=True)
     thread.start()
     return thread
-
-
-# ---------------------------------------------------------------- mpsd status
-
-
-def collect_status(config: cfg.Config, control: Control | None = None, inventory=None) -> dict[str, Any]:
-    """The node as seen through the control front-end and NVML; plain data for JSON."""
-    control = control or Control(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout)
-    out: dict[str, Any] = {
-        "pipeDir": config.pipe_dir,
-        "daemon": "down",
-        "error": "",
-        "settings": {},
-        "servers": [],
-        "gpus": [],
-        "clients": [],
-    }
-    try:
-        out["settings"]["activeThreadPercentage"] = control.get_default_active_thread_percentage()
-        out["daemon"] = "up"
-        limits = {}
-        for device in config.pinned_mem_limit or {}:
-            limits[str(device)] = control.get_default_device_pinned_mem_limit(device)
-        out["settings"]["pinnedMemLimit"] = limits
-        out["settings"]["clientPriority"] = control.get_default_client_priority()
-        ps: list[PsEntry] = control.ps()
-        for server in control.get_server_list():
-            out["servers"].append({"pid": server, "clients": control.get_client_list(server)})
-        out["clients"] = [asdict(p) for p in ps]
-    except DaemonNotRunning as exc:
-        out["error"] = str(exc)
-    except ControlError as exc:
-        out["daemon"] = "unhealthy" if out["daemon"] == "up" else "down"
-        out["error"] = str(exc)
-    own = inventory is None
-    if own:
-        inventory = _open_inventory(config)
-    if inventory is not None:
-        try:
-            out["gpus"] = [asdict(g) for g in inventory.gpus()]
-            memory = {(c.gpu_index, c.pid): c.used_memory for c in inventory.mps_clients()}
-            for client in out["clients"]:
-                client["usedMemory"] = next((m for (g, p), m in memory.items() if p == client["pid"]), None)
-            out["nvmlClients"] = [{"gpu": g, "pid": p, "usedMemory": m} for (g, p), m in sorted(memory.items())]
-        except InventoryError as exc:
-            out["error"] = out["error"] or str(exc)
-        finally:
-            if own:
-                inventory.close()
-    return out
-
-
-def render_status(data: dict[str, Any]) -> str:
-    lines = [
-        f"daemon: {data['daemon']}  pipe dir: {data['pipeDir']}"
-        + (f"  error: {data['error']}" if data["error"] else "")
-    ]
-    s = data["settings"]
-    if s:
-        limits = (
-            ",".join(f"{d}={'unset' if v is None else format_size(v)}" for d, v in s.get("pinnedMemLimit", {}).items())
-            or "none"
-        )
-        lines.append(
-            f"defaults: active threads {s.get('activeThreadPercentage')}%  pinned limit {limits}  "
-            f"client priority {s.get('clientPriority')}"
-        )
-    for g in data["gpus"]:
-        lines.append(
-            f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB"
-        )
-    lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
-    lines.append(f"{'PID':>8} {'SERVER':>8} {'DEVICE':<24} {'MEMORY':>10}  COMMAND")
-    for c in data["clients"]:
-        mem = "-" if c.get("usedMemory") is None else f"{c['usedMemory'] >> 20}M"
-        lines.append(f"{c['pid']:>8} {c['server']:>8} {c['device']:<24} {mem:>10}  {c['command']}")
-    return "\n".join(lines)
-
-
-def status_main(config: cfg.Config, as_json: bool = False) -> int:
-    logging.basicConfig(level=logging.ERROR, format=LOG_FORMAT, stream=sys.stderr)
-    data = collect_status(config)
-    print(json.dumps(data, indent=2) if as_json else render_status(data))
-    return 0 if data["daemon"] == "up" else 1

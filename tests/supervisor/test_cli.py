@@ -274,7 +274,7 @@ def test_sighup_reloads_the_file(mps_control, mps_dirs, tmp_path):
 
 
 def test_status_table_shows_defaults_gpus_and_clients_with_memory():
-    from mpsd.daemon import render_status
+    from mpsd.status import render_status
 
     data = {
         "pipeDir": "/run/mps",
