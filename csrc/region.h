@@ -26,10 +26,15 @@ enum { MS_OK = 0, MS_OVER_CAP = 1, MS_ERROR = -1 };
 
 /* Open or create the region at `path` (creating parent directories is the caller's job).
  * Claims a process slot. 0, or -1 with a one-line reason in err. A new file is created with
- * mode 0666 & ~umask: processes of one container may run under different UIDs.
+ * mode 0666 & ~umask (see ms_region_open_mode for an explicit mode).
  * Opening the same file twice in one process returns the same handle (reference counted, one
  * slot per process). A forked child gets a slot of its own at its first charge. */
 int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen);
+/* The same, creating a missing file with exactly `mode` (umask ignored), or with 0666 & ~umask
+ * for MS_MODE_UMASK. The shim uses 0666 for a region named in MPSSHIM_REGION: it is there to
+ * be shared by every process of a container, whatever their UIDs. */
+#define MS_MODE_UMASK 0xffffffffu
+int ms_region_open_mode(const char *path, unsigned mode, ms_region **out, char *err, size_t errlen);
 /* Gives this process's charges back (at the last close of a shared handle); no other thread
  * may still be using the handle. */
 void ms_region_close(ms_region *r);

@@ -118,7 +118,10 @@ __attribute__((format(printf, 5, 6))) static int ms_fail(char *err, size_t errle
     return -1;
 }
 
-static int ms_create(const char *path, char *err, size_t errlen) {
+/* mode: the new file's permission bits, or MS_MODE_UMASK for 0666 & ~umask. An explicit mode
+ * is set with fchmod before the file is published under its name, so no process ever sees it
+ * with other bits. */
+static int ms_create(const char *path, unsigned mode, char *err, size_t errlen) {
     static unsigned long seq;
     char tmp[4096];
     int n = snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%lu", path, (long)getpid(),
@@ -126,6 +129,11 @@ static int ms_create(const char *path, char *err, size_t errlen) {
     if (n < 0 || (size_t)n >= sizeof tmp) return ms_fail(err, errlen, -1, NULL, "region path %.200s is too long", path);
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666); /* the umask applies */
     if (fd < 0) return ms_fail(err, errlen, -1, NULL, "cannot create region %.200s: %s", tmp, strerror(errno));
+    if (mode != MS_MODE_UMASK && fchmod(fd, (mode_t)mode) != 0) {
+        ms_fail(err, errlen, fd, NULL, "cannot set mode %o on region %.200s: %s", mode, tmp, strerror(errno));
+        unlink(tmp);
+        return -1;
+    }
     void *map = MAP_FAILED;
     int rc = -1;
     pthread_mutexattr_t a;
@@ -152,14 +160,14 @@ static int ms_create(const char *path, char *err, size_t errlen) {
 }
 
 /* Open (creating if missing when writable) and validate; the fd and mapping on success. */
-static int ms_map(const char *path, int writable, int *fdp, ms_hdr **hp, char *err, size_t errlen) {
+static int ms_map(const char *path, int writable, unsigned mode, int *fdp, ms_hdr **hp, char *err, size_t errlen) {
     int fd = -1;
     for (int attempt = 0; fd < 0; attempt++) {
         fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
         if (fd >= 0) break;
         if (errno != ENOENT || !writable || attempt == 3)
             return ms_fail(err, errlen, -1, NULL, "cannot open region %.200s: %s", path, strerror(errno));
-        if (ms_create(path, err, errlen) != 0) return -1;
+        if (ms_create(path, mode, err, errlen) != 0) return -1;
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
@@ -202,6 +210,10 @@ static int ms_join_locked(ms_region *r, const char *path, char *err, size_t errl
 }
 
 int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen) {
+    return ms_region_open_mode(path, MS_MODE_UMASK, out, err, errlen);
+}
+
+int ms_region_open_mode(const char *path, unsigned mode, ms_region **out, char *err, size_t errlen) {
     char dummy[1];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
     err[0] = '\0';
@@ -214,7 +226,7 @@ int ms_region_open(const char *path, ms_region **out, char *err, size_t errlen) 
         r->refs++;
     } else if ((r = calloc(1, sizeof *r)) == NULL) {
         rc = ms_fail(err, errlen, -1, NULL, "out of memory opening region %.200s", path);
-    } else if (ms_map(path, 1, &r->fd, &r->hdr, err, errlen) != 0) {
+    } else if (ms_map(path, 1, mode, &r->fd, &r->hdr, err, errlen) != 0) {
         rc = -1;
     } else {
         struct stat st;
@@ -274,7 +286,7 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
      * held through another descriptor, is tested like any other. */
     int fd;
     ms_hdr *h;
-    if (ms_map(path, 0, &fd, &h, err, errlen) != 0) return -1;
+    if (ms_map(path, 0, MS_MODE_UMASK, &fd, &h, err, errlen) != 0) return -1;
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);

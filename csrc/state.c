@@ -46,13 +46,17 @@ int ms_disabled(void)
     return d;
 }
 
-void ms_region_path(char *buf, size_t len)
+/* 1 if the path was named in MPSSHIM_REGION (a region shared by the container's processes,
+ * created 0666 so every UID among them can join), 0 for the per-UID default (umask applies). */
+int ms_region_path(char *buf, size_t len)
 {
     const char *env = getenv("MPSSHIM_REGION");
-    if (env != NULL && env[0] != '\0')
+    if (env != NULL && env[0] != '\0') {
         snprintf(buf, len, "%s", env);
-    else
-        snprintf(buf, len, "/tmp/mpsshim-%u.region", (unsigned)getuid());
+        return 1;
+    }
+    snprintf(buf, len, "/tmp/mpsshim-%u.region", (unsigned)getuid());
+    return 0;
 }
 
 static void init_log_level(void)
@@ -91,9 +95,9 @@ static void init_once(void)
         ms_log(MS_LOG_INFO, "no memory caps (" LIMIT_VAR " unset or empty): allocations pass through");
         return;
     }
-    ms_region_path(s->region_path, sizeof s->region_path);
+    unsigned mode = ms_region_path(s->region_path, sizeof s->region_path) ? 0666u : MS_MODE_UMASK;
     char err[512];
-    if (ms_region_open(s->region_path, &s->region, err, sizeof err) != 0) {
+    if (ms_region_open_mode(s->region_path, mode, &s->region, err, sizeof err) != 0) {
         s->region = NULL;
         ms_log(MS_LOG_ERROR,
                "accounting region \"%s\" is unusable (%s); allocations on capped devices are refused "

@@ -29,9 +29,9 @@ int ms_disabled(void);
 /* The configuration (read on first use). */
 const ms_state *ms_state_get(void);
 
-/* The default region path: $MPSSHIM_REGION if set and non-empty, else
- * /tmp/mpsshim-<uid>.region (private to the container's /tmp, never /dev/shm). */
-void ms_region_path(char *buf, size_t len);
+/* The region path: $MPSSHIM_REGION if set and non-empty (returns 1), else
+ * /tmp/mpsshim-<uid>.region (private to the container's /tmp, never /dev/shm; returns 0). */
+int ms_region_path(char *buf, size_t len);
 
 /* The cap of CUDA device `dev` (resolving its UUID through the driver when some limit is
  * keyed by UUID). 1 and *cap when capped, 0 when not, -1 when it cannot be told (then the

@@ -117,7 +117,12 @@ static int repl(void) {
     unsigned long long x, y;
     while (fgets(line, sizeof line, stdin)) {
         line[strcspn(line, "\n")] = '\0';
-        if (sscanf(line, "open %4095s", a) == 1) {
+        unsigned mode;
+        if (sscanf(line, "openmode %o %4095s", &mode, a) == 2) {
+            char err[512];
+            if (ms_region_open_mode(a, mode, &reg, err, sizeof err) == 0) opens++, printf("ok\n");
+            else printf("err %s\n", err);
+        } else if (sscanf(line, "open %4095s", a) == 1) {
             char err[512];
             if (ms_region_open(a, &reg, err, sizeof err) == 0) opens++, printf("ok\n");
             else printf("err %s\n", err);

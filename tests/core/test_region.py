@@ -154,6 +154,24 @@ def test_created_with_0666_minus_umask(core_bin: Path, tmp_path: Path, umask: in
     assert sorted(os.listdir(tmp_path)) == ["region"]  # no temporary file left behind
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_explicit_mode_ignores_the_umask(core_bin: Path, tmp_path: Path, umask: int) -> None:
+    path = tmp_path / "region"
+    with LineProc([core_bin / "region_cli", "repl"], umask=umask) as p:
+        assert p.ask(f"openmode 666 {path}") == "ok"
+    assert path.stat().st_mode & 0o777 == 0o666
+    assert sorted(os.listdir(tmp_path)) == ["region"]
+
+
+def test_an_explicit_mode_leaves_an_existing_file_alone(core_bin: Path, tmp_path: Path) -> None:
+    path = tmp_path / "region"
+    with LineProc([core_bin / "region_cli", "repl"], umask=0o077) as p:
+        assert p.ask(f"open {path}") == "ok"
+    with LineProc([core_bin / "region_cli", "repl"], umask=0o022) as p:
+        assert p.ask(f"openmode 666 {path}") == "ok"
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
 def test_racing_first_openers_all_see_a_whole_region(core_bin: Path, tmp_path: Path) -> None:
     for round_ in range(4):
         path = tmp_path / f"region{round_}"

@@ -241,3 +241,20 @@ def test_memory_queries_give_back_what_a_killed_process_of_the_container_held(ru
         shim_env(limit="0=1G", region=region),
     )
     assert r.records == [{"held": [G - 513 * M, G]}, {"killed": [G - M, G]}]
+
+
+def test_a_region_named_in_mpsshim_region_is_created_for_every_uid_of_the_container(run_py, shim_env, tmp_path):
+    """Processes of one container may run under several UIDs: the shared region is 0666 even
+    under the usual umask 022 (the per-UID default region keeps the umask)."""
+    region = tmp_path / "shared" / "region"
+    region.parent.mkdir()
+    run_py(
+        """
+        import os
+        os.umask(0o022)
+        d = Driver(); d.init()
+        emit(ok=d.alloc(1 << 20) > 0)
+        """,
+        shim_env(limit="0=1G", region=region),
+    )
+    assert region.stat().st_mode & 0o777 == 0o666
