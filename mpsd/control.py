@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .errors import ControlError, ControlTimeout, DaemonNotRunning, MpsdError
+from .errors import ControlBusy, ControlError, ControlTimeout, DaemonNotRunning, MpsdError
 from .units import UNITS, format_size_mps_control
 
 if TYPE_CHECKING:
@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NOT_RUNNING = ("Cannot find MPS control daemon process", "Cannot authenticate or connect to MPS control daemon")
+# The daemon serves one front-end at a time. While another holds it, a front-end either exits 1
+# with BUSY or exits 0 having printed nothing, its command never sent. So every command is
+# followed by SENTINEL, whose answer is never empty: no output at all means "not served".
+BUSY = "Cannot send command to MPS control daemon process"
+SENTINEL = "get_default_active_thread_percentage"
+BUSY_RETRY = (0.01, 0.1)  # first and longest wait between tries while busy, seconds
 # Lines the front-end prints (with exit 0) when a command is rejected.
 _REJECTIONS = (
     re.compile(r"^Unknown command \"(?P<cmd>[^\"]*)\""),
@@ -78,6 +84,12 @@ def check_rejection(command: str, output: str) -> None:
             if m:
                 exc = UnknownCommand if m.groupdict().get("cmd") is not None else CommandRejected
                 raise exc(f"{command!r} rejected by the MPS control daemon: {line}")
+
+
+def strip_sentinel(output: str) -> str:
+    """The answer to the command, without the last line (the SENTINEL's answer)."""
+    lines = output.rstrip("\n").split("\n")
+    return "".join(line + "\n" for line in lines[:-1])
 
 
 def parse_pids(output: str) -> list[int]:
@@ -185,34 +197,60 @@ class Control:
         return env
 
     def call(self, command: str, timeout: float | None = None) -> str:
-        """Send one command; the text printed. Raises DaemonNotRunning, ControlTimeout,
-        CommandRejected/UnknownCommand, ControlError."""
+        """Send one command; the text printed. While another front-end holds the daemon, the
+        command is tried again until the timeout. Raises DaemonNotRunning, ControlTimeout,
+        ControlBusy, CommandRejected/UnknownCommand, ControlError."""
         limit = self.timeout if timeout is None else timeout
         start = time.monotonic()
-        try:
-            proc = subprocess.run(
-                [self.binary],
-                input=command + "\n",
-                capture_output=True,
-                text=True,
-                timeout=limit,
-                env=self.env(),
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise ControlTimeout(f"{command!r}: no answer from the MPS control daemon in {limit:g}s") from exc
-        except OSError as exc:
-            raise ControlError(f"cannot run control binary {self.binary!r}: {exc.strerror}") from exc
-        out = proc.stdout + proc.stderr
+        deadline = start + limit
+        sentinel = not command.startswith("quit")  # the daemon is gone after quit
+        script = f"{command}\n{SENTINEL}\n" if sentinel else f"{command}\n"
+        pause, tries = BUSY_RETRY[0], 0
+        while True:
+            tries += 1
+            proc = self._run_once(command, script, limit, max(deadline - time.monotonic(), 0.001))
+            out = proc.stdout + proc.stderr
+            busy = BUSY in out if proc.returncode != 0 else (sentinel and not proc.stdout.strip())
+            if not busy:
+                break
+            if time.monotonic() + pause >= deadline:
+                raise ControlBusy(
+                    f"{command!r}: the MPS control daemon did not take it in {tries} tries in {limit:g}s: "
+                    "another front-end holds its control connection"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, BUSY_RETRY[1])
         log.debug(
-            "control command=%r rc=%d seconds=%.3f output=%r", command, proc.returncode, time.monotonic() - start, out
+            "control command=%r rc=%d tries=%d seconds=%.3f output=%r",
+            command,
+            proc.returncode,
+            tries,
+            time.monotonic() - start,
+            out,
         )
         if proc.returncode != 0:
             text = " ".join(_lines(out)) or f"exit status {proc.returncode}"
             if any(marker in out for marker in NOT_RUNNING):
                 raise DaemonNotRunning(f"{command!r}: no MPS control daemon on pipe dir {self.pipe_dir}: {text}")
             raise ControlError(f"{command!r}: front-end failed: {text}")
-        check_rejection(command, proc.stdout)
-        return proc.stdout
+        answer = strip_sentinel(proc.stdout) if sentinel else proc.stdout
+        check_rejection(command, answer)
+        return answer
+
+    def _run_once(self, command: str, script: str, limit: float, left: float) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(
+                [self.binary],
+                input=script,
+                capture_output=True,
+                text=True,
+                timeout=left,
+                env=self.env(),
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ControlTimeout(f"{command!r}: no answer from the MPS control daemon in {limit:g}s") from exc
+        except OSError as exc:
+            raise ControlError(f"cannot run control binary {self.binary!r}: {exc.strerror}") from exc
 
     # ---- daemon-wide defaults (apply to servers started afterwards)
 

@@ -18,6 +18,12 @@ class ControlTimeout(ControlError):
     """A control command got no answer in time (the daemon may be hung)."""
 
 
+class ControlBusy(ControlError):
+    """The daemon refused the connection: it serves one front-end at a time, and another one
+    (``mpsd status``, an operator's interactive session) held it for the whole timeout. The
+    daemon is alive: it answered with a refusal."""
+
+
 class DaemonNotRunning(ControlError):
     """No control daemon answers on the pipe directory."""
 

@@ -34,7 +34,7 @@ from .control import (
     limit_early_servers,
 )
 from .daemon import DaemonProcess
-from .errors import ConfigError, ControlError, ControlTimeout, SetupError
+from .errors import ConfigError, ControlBusy, ControlError, ControlTimeout, SetupError
 from .health import HealthBoard
 from .units import format_limits
 
@@ -100,6 +100,8 @@ class Supervisor:
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
         self._supports_status: bool | None = None
+        self._applied = config  # the config whose defaults the running daemon has
+        self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
         )
@@ -200,6 +202,7 @@ class Supervisor:
             daemon.wait(5.0)
             self._failed(f"daemon pid={daemon.pid} did not come up configured: {exc}")
             return
+        self._applied, self._defaults_stale = self.config, False
         self.board.update(daemon_up=True, configured=True, last_error="")
         self._publish(state="running", pid=self._daemon.pid, last_error="")
         self._next_at = time.monotonic() + self.config.health_interval
@@ -265,19 +268,24 @@ class Supervisor:
         except ControlTimeout as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} hung: {exc}")
             return
+        except ControlBusy as exc:  # it refused us, so it runs: no reason to kill it and its clients
+            log.warning("health check of daemon pid=%d inconclusive: %s", daemon.pid, exc)
+            self._publish(last_error=str(exc))
+            self._next_at = time.monotonic() + self.config.health_interval
+            return
         except ControlError as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {exc}")
             return
         latency = time.monotonic() - began
+        pending = self._apply_reloaded_defaults() if self._defaults_stale else ""
+        if pending is None:
+            return  # retired
         faulted = [pid for pid, state in states.items() if state == "FAULT"]
         gpus = frozenset(self._gpu_indices()) if faulted else frozenset()
-        error = (
-            f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit"
-            if faulted
-            else ""
-        )
+        error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit"
         if faulted:
             log.error("%s gpus=%s", error, sorted(gpus))
+        error = "; ".join(filter(None, [error if faulted else "", pending]))
         self.board.update(faulted_gpus=gpus, last_error=error)
         self._publish(
             state="running",
@@ -332,8 +340,7 @@ class Supervisor:
             log.error("reload failed, keeping the running config: %s", exc)
             self.board.update(last_error=f"reload failed: {exc}")
             return
-        previous = self.config
-        changed = changed_keys(previous, new)
+        changed = changed_keys(self.config, new)
         later = [k for k in changed if k not in LIVE_KEYS]
         for key in later:
             log.warning("reload key=%s changed: applies only after mpsd restarts", key)
@@ -347,11 +354,27 @@ class Supervisor:
         self._publish(config_generation=self.status().config_generation + 1)
         log.info("reloaded applied=%s deferred=%s", ",".join(sorted(live)) or "-", ",".join(later) or "-")
         if live & {"activeThreadPercentage", "pinnedMemLimit", "clientPriority"} and self._daemon is not None:
-            try:
-                apply_defaults(self.control(), merged, previous=previous)
-                log.info("new defaults applied: they reach servers started from now on")
-            except (ControlError, ConfigureError) as exc:
-                self._retire(self._daemon, f"re-applying defaults after reload failed: {exc}")
+            self._defaults_stale = True
+            self._apply_reloaded_defaults()
+
+    def _apply_reloaded_defaults(self) -> str | None:
+        """Bring the running daemon's defaults to self.config: "" when done, the reason when
+        the daemon was busy (tried again at the next health check), None if it was retired."""
+        assert self._daemon is not None
+        try:
+            apply_defaults(self.control(), self.config, previous=self._applied)
+        except ControlBusy as exc:
+            message = f"new defaults not applied yet, trying again at the next health check: {exc}"
+            log.error("%s", message)
+            self.board.update(last_error=message)
+            self._publish(last_error=message)
+            return message
+        except (ControlError, ConfigureError) as exc:
+            self._retire(self._daemon, f"re-applying defaults after reload failed: {exc}")
+            return None
+        self._applied, self._defaults_stale = self.config, False
+        log.info("new defaults applied: they reach servers started from now on")
+        return ""
 
     def _shutdown(self) -> None:
         self._publish(state="stopping")

@@ -103,3 +103,27 @@ def run_supervisor():
     for r in started:
         if r.thread.is_alive():
             r.stop()
+
+
+class FrontEndHolder:
+    """An interactive front-end left open (as an operator's ``nvidia-cuda-mps-control``
+    session would be): the daemon serves one front-end at a time and refuses the others."""
+
+    def __init__(self, binary: str, pipe_dir: str) -> None:
+        import subprocess
+        import time
+
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir)
+        self.proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 20
+        while True:  # held once a one-shot front-end is refused
+            probe = subprocess.run([binary], input="get_server_list\n", capture_output=True, text=True, env=env)
+            if "Cannot send command" in probe.stdout + probe.stderr:
+                return
+            assert time.monotonic() < deadline, "the front-end never took the connection"
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(10)

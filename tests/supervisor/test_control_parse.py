@@ -20,11 +20,26 @@ from mpsd.control import (
     parse_ps,
     parse_server_status,
     parse_terminate,
+    strip_sentinel,
 )
 from mpsd.errors import ControlError
 from mpsd.units import format_size_mps_control, parse_size
 
 G, M = 1 << 30, 1 << 20
+
+
+@pytest.mark.parametrize(
+    "output,answer",
+    [
+        ("100.0\n", ""),  # a command that prints nothing (set_default_device_pinned_mem_limit, empty server list)
+        ("25.0\n25.0\n", "25.0\n"),
+        ("12\n34\n100.0\n", "12\n34\n"),
+        ('Unknown command "bogus"\n100.0\n', 'Unknown command "bogus"\n'),
+        ("Server 1 not found\nServer 1 not found!\n1\n100.0", "Server 1 not found\nServer 1 not found!\n1\n"),
+    ],
+)
+def test_strip_sentinel(output, answer):
+    assert strip_sentinel(output) == answer
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 
 from mpsd import dirs
 from mpsd.control import CommandRejected, Control, UnknownCommand
-from mpsd.errors import ControlTimeout, DaemonNotRunning
+from mpsd.errors import ControlBusy, ControlTimeout, DaemonNotRunning
+from tests.supervisor.conftest import FrontEndHolder
 
 pytestmark = pytest.mark.mps_binary
 G, M = 1 << 30, 1 << 20
@@ -180,3 +182,19 @@ def test_servers_started_before_the_defaults_get_them_per_server(daemon):
         "set_device_pinned_mem_limit 4242 1 1044M",
     ]
     assert limit_early_servers(control, config) == []  # no server: nothing to do
+
+
+def test_a_front_end_held_open_makes_commands_wait_then_busy(daemon, mps_control):
+    control, _ = daemon
+    holder = FrontEndHolder(str(mps_control), control.pipe_dir)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ControlBusy, match="another front-end holds its control connection"):
+            control.call("get_server_list", timeout=0.5)
+        assert time.monotonic() - began >= 0.4  # tried again until the timeout
+        timer = threading.Timer(0.5, holder.release)
+        timer.start()
+        assert control.get_default_active_thread_percentage() == 100.0  # once the holder leaves
+        timer.join()
+    finally:
+        holder.release()

@@ -12,6 +12,7 @@ import pytest
 
 from mpsd.control import Control, parse_server_status
 from mpsd.errors import ConfigError
+from tests.supervisor.conftest import FrontEndHolder
 
 pytestmark = pytest.mark.mps_binary
 G, M = 1 << 30, 1 << 20
@@ -135,15 +136,54 @@ def test_reload_applies_new_defaults_live_and_defers_the_rest(make_config, run_s
 
 
 def test_reload_removes_defaults_the_new_config_drops(make_config, run_supervisor):
-    config = make_config(**{"pinned-mem-limit": "0=2G,1=1G", "client-priority": "1"})
-    new = make_config(**{"pinned-mem-limit": "0=3G"})
+    # A long health timeout: a restart (under load) would clear the defaults by itself.
+    slow = {"health-timeout": "30s"}
+    config = make_config(**{"pinned-mem-limit": "0=2G,1=1G", "client-priority": "1"}, **slow)
+    new = make_config(**{"pinned-mem-limit": "0=3G"}, **slow)
     r = run_supervisor(config, reload=lambda: new)
     r.wait_for(lambda s: s.configured)
+    pid = r.sup.status().pid
     reads_back(config, 100.0, {0: 2 * G, 1: 1 * G}, priority=1)
     r.sup.reload()
     wait_until(lambda: r.sup.status().config_generation == 2, what="reload")
     reads_back(config, 100.0, {0: 3 * G, 1: None}, priority=0)  # as a restarted daemon would have them
-    assert r.board.current().configured
+    assert r.board.current().configured and r.sup.status().pid == pid
+
+
+def test_a_front_end_held_open_is_not_a_dead_daemon(make_config, run_supervisor, mps_control):
+    # The daemon serves one front-end at a time; an operator's interactive session must not
+    # get it (and every client) killed.
+    config = make_config(**{"health-timeout": "1s", "active-thread-percentage": "60"})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured)
+    pid = r.sup.status().pid
+    holder = FrontEndHolder(str(mps_control), config.pipe_dir)
+    try:
+        wait_until(lambda: "another front-end holds" in r.sup.status().last_error, what="busy noticed")
+        time.sleep(1.5)  # more health checks while it is held
+        assert r.sup.status().pid == pid and r.sup.status().restarts == 0 and r.board.current().configured
+    finally:
+        holder.release()
+    wait_until(lambda: r.sup.status().last_error == "", what="a passing health check")
+    assert r.sup.status().pid == pid
+    reads_back(config, 60.0, {})
+
+
+def test_reload_while_the_daemon_is_held_applies_at_a_later_health_check(make_config, run_supervisor, mps_control):
+    config = make_config(**{"health-timeout": "1s", "active-thread-percentage": "60"})
+    new = make_config(**{"health-timeout": "1s", "active-thread-percentage": "20"})
+    r = run_supervisor(config, reload=lambda: new)
+    r.wait_for(lambda s: s.configured)
+    pid = r.sup.status().pid
+    holder = FrontEndHolder(str(mps_control), config.pipe_dir)
+    try:
+        r.sup.reload()
+        wait_until(lambda: "new defaults not applied yet" in r.sup.status().last_error, what="reload deferred")
+    finally:
+        holder.release()
+    wait_until(lambda: r.sup.status().last_error == "", what="defaults applied")
+    reads_back(config, 20.0, {})
+    assert r.sup.status().pid == pid
 
 
 class FaultyServers:
@@ -231,10 +271,8 @@ def test_defaults_that_do_not_read_back_fail_loudly(make_config, run_supervisor,
     wrapper.write_text(
         "#!/bin/sh\n"
         f'[ "$#" -gt 0 ] && exec {mps_control} "$@"\n'
-        "read -r line\n"
-        'case "$line" in set_default_active_thread_percentage*) '
-        'line="set_default_active_thread_percentage 250";; esac\n'
-        f"printf '%s\\n' \"$line\" | exec {mps_control}\n"
+        "sed 's/^set_default_active_thread_percentage .*/set_default_active_thread_percentage 250/' | "
+        f"exec {mps_control}\n"
     )
     wrapper.chmod(0o755)
     config = make_config(**{"control-binary": str(wrapper), "active-thread-percentage": "50"})
