@@ -205,15 +205,18 @@ class Control:
         deadline = start + limit
         sentinel = not command.startswith("quit")  # the daemon is gone after quit
         script = f"{command}\n{SENTINEL}\n" if sentinel else f"{command}\n"
-        pause, tries = BUSY_RETRY[0], 0
+        pause, tries, refused = BUSY_RETRY[0], 0, False
         while True:
             tries += 1
             proc = self._run_once(command, script, limit, max(deadline - time.monotonic(), 0.001))
             out = proc.stdout + proc.stderr
             busy = BUSY in out if proc.returncode != 0 else (sentinel and not proc.stdout.strip())
-            if not busy:
+            refused = refused or busy
+            if not (busy or (proc.returncode != 0 and not out.strip())):  # a silent exit 1: try again too
                 break
             if time.monotonic() + pause >= deadline:
+                if not busy and not refused:
+                    break  # only silent failures: reported as the front-end's failure below
                 raise ControlBusy(
                     f"{command!r}: the MPS control daemon did not take it in {tries} tries in {limit:g}s: "
                     "another front-end holds its control connection"

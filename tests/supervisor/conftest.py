@@ -114,11 +114,16 @@ class FrontEndHolder:
         import time
 
         env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir)
-        self.proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 20
-        while True:  # held once a one-shot front-end is refused
+        self.proc = None
+        while True:  # held once a one-shot front-end is refused while ours still runs
+            if self.proc is None or self.proc.poll() is not None:  # refused itself: another one was in
+                self.proc = subprocess.Popen(
+                    [binary], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+                )
+                time.sleep(0.1)
             probe = subprocess.run([binary], input="get_server_list\n", capture_output=True, text=True, env=env)
-            if "Cannot send command" in probe.stdout + probe.stderr:
+            if "Cannot send command" in probe.stdout + probe.stderr and self.proc.poll() is None:
                 return
             assert time.monotonic() < deadline, "the front-end never took the connection"
             time.sleep(0.02)
