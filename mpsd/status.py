@@ -12,7 +12,7 @@ from typing import Any
 from . import config as cfg
 from .control import Control, PsEntry
 from .daemon import LOG_FORMAT, open_inventory
-from .errors import ControlError, DaemonNotRunning, InventoryError
+from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError
 from .units import format_size
 
 
@@ -41,6 +41,9 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
             out["servers"].append({"pid": server, "clients": control.get_client_list(server)})
         out["clients"] = [asdict(p) for p in ps]
     except DaemonNotRunning as exc:
+        out["error"] = str(exc)
+    except ControlBusy as exc:  # it runs, but another front-end holds it
+        out["daemon"] = "busy"
         out["error"] = str(exc)
     except ControlError as exc:
         out["daemon"] = "unhealthy" if out["daemon"] == "up" else "down"

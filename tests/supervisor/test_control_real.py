@@ -198,3 +198,29 @@ def test_a_front_end_held_open_makes_commands_wait_then_busy(daemon, mps_control
         timer.join()
     finally:
         holder.release()
+
+
+class NoGpus:
+    def gpus(self):
+        return []
+
+    def mps_clients(self):
+        return []
+
+
+def test_status_of_a_held_daemon_is_busy_not_down(daemon, mps_control, mps_dirs):
+    from mpsd import config as cfg
+    from mpsd.status import collect_status
+
+    control, _ = daemon
+    config = cfg.load(
+        None,
+        {},
+        {"control-binary": str(mps_control), "pipe-dir": control.pipe_dir, "health-timeout": "0.5s"},
+    )
+    holder = FrontEndHolder(str(mps_control), control.pipe_dir)
+    try:
+        data = collect_status(config, inventory=NoGpus())
+    finally:
+        holder.release()
+    assert data["daemon"] == "busy" and "another front-end holds" in data["error"]
