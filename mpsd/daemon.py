@@ -64,6 +64,7 @@ class DaemonProcess:
             env.pop(name, None)  # mpsd's own environment must not change the daemon's defaults
         if config.visible_devices:
             env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and NVML number them
         try:
             self.proc = subprocess.Popen(
                 [config.control_binary, "-f"],
@@ -139,12 +140,24 @@ def open_inventory(config: cfg.Config):
         return None
 
 
-def _gpu_lister(inventory) -> Callable[[], list]:
+def managed_gpus(gpus: list, visible_devices: str | None) -> list:
+    """The GPUs the daemon serves: those ``visibleDevices`` names by index (nvidia-smi's
+    numbering, which the daemon gets through CUDA_DEVICE_ORDER=PCI_BUS_ID) or UUID; all of
+    them without it, or when it names MIG devices (NVML's GPU list cannot match those)."""
+    if not visible_devices:
+        return list(gpus)
+    names = visible_devices.split(",")
+    if any(name.startswith("MIG-") for name in names):
+        return list(gpus)
+    return [g for g in gpus if str(g.index) in names or g.uuid in names]
+
+
+def _gpu_lister(inventory, visible_devices: str | None) -> Callable[[], list]:
     def gpus() -> list:
         if inventory is None:
             return []
         try:
-            return inventory.gpus()
+            return managed_gpus(inventory.gpus(), visible_devices)
         except InventoryError as exc:
             log.warning("NVML query failed: %s", exc)
             return []
@@ -155,10 +168,12 @@ def _gpu_lister(inventory) -> Callable[[], list]:
 class InventoryPump:
     """Reads NVML in its own thread for the GPU series and the FAULT mapping. NVML can block
     for seconds on a GPU in trouble; the supervisor loop (health checks, restarts, SIGTERM)
-    must never wait on it. Requests coalesce: a refresh reads the latest state."""
+    must never wait on it. Requests coalesce: a refresh reads the latest state. Memory
+    series cover every GPU; indices and device health only the managed ones."""
 
-    def __init__(self, inventory, metrics, board: HealthBoard) -> None:
+    def __init__(self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
+        self._visible_devices = visible_devices
         self._cond = threading.Condition()
         self._pending = self._closed = False
         self._indices: list[int] = []
@@ -199,12 +214,13 @@ class InventoryPump:
         except InventoryError as exc:
             log.warning("NVML query failed: %s", exc)
             return
+        managed = managed_gpus(listed, self._visible_devices)
         with self._cond:
-            self._indices = [g.index for g in listed]
+            self._indices = [g.index for g in managed]
         if self._metrics is not None:
             health = self._board.current()
             self._metrics.update_gpus(listed, clients)
-            self._metrics.set_device_health({g.index: health.gpu_healthy(g.index) for g in listed})
+            self._metrics.set_device_health({g.index: health.gpu_healthy(g.index) for g in managed})
 
 
 def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
@@ -235,13 +251,13 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
     board = HealthBoard()
     inventory = open_inventory(config)
-    gpus = _gpu_lister(inventory)
+    gpus = _gpu_lister(inventory, config.visible_devices)
     metrics = server = None
     if config.metrics_address:
         from .metrics import Metrics, serve
 
         metrics = Metrics()
-    pump = InventoryPump(inventory, metrics, board)
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices)
     pump.refresh()  # the GPU indices, before any health check needs them
     supervisor = Supervisor(
         config,

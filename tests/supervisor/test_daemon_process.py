@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from mpsd import config as cfg
 from mpsd.daemon import DaemonProcess
@@ -24,3 +25,23 @@ def test_kill_after_exit_signals_no_reaped_pid(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "killpg", lambda pgid, sig: signalled.append((-pgid, sig)))
     daemon.kill()  # the PID may have been reused by now: only the group may be signalled
     assert (daemon.pid, 9) not in signalled and signalled == [(-daemon.pid, 9)]
+
+
+def test_visible_devices_reach_the_daemon_in_nvidia_smi_order(tmp_path, monkeypatch):
+    binary = tmp_path / "control"
+    binary.write_text("#!/bin/sh\nenv\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # mpsd's own must not leak through
+    monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1G")
+    config = cfg.load(None, {}, {"control-binary": str(binary), "log-dir": str(tmp_path), "visible-devices": "1,3"})
+    exited = threading.Event()
+    DaemonProcess(config, lambda d, code: exited.set())
+    assert exited.wait(30)
+    log = tmp_path / "control.log"
+    deadline = time.monotonic() + 10
+    while not all(k in (log.read_text() if log.exists() else "") for k in ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE")):
+        assert time.monotonic() < deadline, "daemon output never reached control.log"
+        time.sleep(0.02)
+    env = dict(line.split("=", 1) for line in log.read_text().splitlines() if "=" in line)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env

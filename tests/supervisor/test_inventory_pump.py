@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from mpsd.daemon import InventoryPump, _observer
+import pytest
+
+from mpsd.daemon import InventoryPump, _observer, managed_gpus
 from mpsd.errors import InventoryError
 from mpsd.health import HealthBoard
 from mpsd.inventory import Client, Gpu
@@ -84,3 +86,48 @@ def test_without_nvml_there_are_no_gpus():
     pump.refresh()
     assert pump.gpu_indices() == []
     pump.close()
+
+
+def gpu(index: int, uuid: str) -> Gpu:
+    return Gpu(index, uuid, "Fake", 40 << 30, 0, (9, 0), False)
+
+
+FOUR = [gpu(0, "GPU-a"), gpu(1, "GPU-b"), gpu(2, "GPU-c"), gpu(3, "GPU-d")]
+
+
+@pytest.mark.parametrize(
+    "visible,indices",
+    [
+        (None, [0, 1, 2, 3]),
+        ("", [0, 1, 2, 3]),
+        ("1", [1]),
+        ("3,1", [1, 3]),
+        ("GPU-c,0", [0, 2]),
+        ("7", []),  # a GPU NVML does not list is managed by nobody
+        ("MIG-GPU-a/1/0", [0, 1, 2, 3]),  # MIG devices cannot be matched to NVML's GPU list
+    ],
+)
+def test_managed_gpus_follow_visible_devices(visible, indices):
+    assert [g.index for g in managed_gpus(FOUR, visible)] == indices
+
+
+class FourGpus:
+    def gpus(self) -> list[Gpu]:
+        return FOUR
+
+    def mps_clients(self) -> list[Client]:
+        return []
+
+
+def test_only_managed_gpus_are_faulted_and_offered_but_all_are_measured():
+    metrics, board = Metrics(), HealthBoard()
+    pump = InventoryPump(FourGpus(), metrics, board, visible_devices="1,GPU-d")
+    try:
+        board.update(daemon_up=True, configured=True)
+        pump.refresh()
+        assert pump.gpu_indices() == [1, 3]
+        text = metrics.scrape().decode()
+        assert 'mpsd_device_healthy{gpu="1"} 1.0' in text and 'mpsd_device_healthy{gpu="0"}' not in text
+        assert 'mpsd_gpu_memory_total_bytes{gpu="0",uuid="GPU-a"}' in text
+    finally:
+        pump.close()
