@@ -13,6 +13,7 @@ An empty string means "no limits".
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import ConfigError
@@ -116,7 +117,7 @@ _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m)?")
 def parse_duration(text: str | float | int) -> float:
     """Seconds in ``"500ms"``, ``"2s"``, ``"1m"`` or a bare number of seconds."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text < 0:
+        if not 0 <= text < math.inf:  # YAML's .nan and .inf too: timers could not be set from them
             raise ConfigError(f"bad duration {text!r}: expected a non-negative number of seconds or 500ms, 2s, 1m")
         return float(text)
     m = _DURATION.fullmatch(str(text))

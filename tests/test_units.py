@@ -121,7 +121,7 @@ def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "5h", "-1s", "fast", -2])
+@pytest.mark.parametrize("text", ["", "5h", "-1s", "fast", -2, float("nan"), float("inf"), "nan", "inf"])
 def test_bad_durations(text):
     with pytest.raises(ConfigError, match="bad duration"):
         parse_duration(text)

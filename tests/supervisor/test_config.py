@@ -119,6 +119,8 @@ def test_every_setting_has_flag_and_env():
             'healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, got "soon"',
         ),
         ("version: v1\nhealthInterval: 0s\n", "healthInterval: expected a duration above zero"),
+        ("version: v1\nhealthInterval: .nan\n", "healthInterval: expected a duration such as 500ms"),
+        ("version: v1\nshutdownTimeout: .inf\n", "shutdownTimeout: expected a duration such as 500ms"),
         # a zero backoff would restart a crashing daemon in a tight loop
         ("version: v1\nrestartBackoffInitial: 0\n", "restartBackoffInitial: expected a duration above zero"),
         ("version: v1\nrestartBackoffMax: 0s\n", "restartBackoffMax: expected a duration above zero"),
