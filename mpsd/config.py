@@ -82,13 +82,20 @@ def _limits(value: Any) -> dict[int | str, int]:
         raise ValueError(LIMITS_FORM) from None
 
 
+MAX_DURATION = 86400.0 * 7  # timers beyond this are mistakes; ~1e10 s overflows the loop's wait
+
+
 def _duration(value: Any) -> float:
+    accepted = "a duration such as 500ms, 2s, 1m or a number of seconds, at most 7 days"
     if isinstance(value, bool):
-        raise ValueError("a duration such as 500ms, 2s, 1m or a number of seconds")
+        raise ValueError(accepted)
     try:
-        return parse_duration(value)
+        seconds = parse_duration(value)
     except ConfigError:
-        raise ValueError("a duration such as 500ms, 2s, 1m or a number of seconds") from None
+        raise ValueError(accepted) from None
+    if seconds > MAX_DURATION:
+        raise ValueError(accepted)
+    return seconds
 
 
 def _positive_duration(value: Any) -> float:
