@@ -116,14 +116,16 @@ def test_every_setting_has_flag_and_env():
         ("version: v1\nclientPriority: 2\n", "clientPriority: expected an integer 0..1, got 2"),
         (
             "version: v1\nhealthInterval: soon\n",
-            'healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, at most 7 days, got "soon"',
+            "healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, "
+            'at most 7 days, got "soon"',
         ),
         ("version: v1\nhealthInterval: 0s\n", "healthInterval: expected a duration above zero"),
         ("version: v1\nhealthInterval: .nan\n", "healthInterval: expected a duration such as 500ms"),
         ("version: v1\nshutdownTimeout: .inf\n", "shutdownTimeout: expected a duration such as 500ms"),
         (
             "version: v1\nhealthInterval: 1.0e+10\n",
-            "healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, at most 7 days, got 10000000000.0",
+            "healthInterval: expected a duration such as 500ms, 2s, 1m or a number of seconds, "
+            "at most 7 days, got 10000000000.0",
         ),
         ("version: v1\nrestartBackoffMax: 10081m\n", "at most 7 days"),
         # a zero backoff would restart a crashing daemon in a tight loop
