@@ -3,9 +3,9 @@ NVML inventory + metrics/probes + device plugin). ``mpsd status`` is in mpsd/sta
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,25 +26,31 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that makes Linux SIGKILL the child when the thread that started it exits
-    (prctl PR_SET_PDEATHSIG): a SIGKILLed mpsd then leaves no daemon behind, whose control_lock
-    would stop the next ``mpsd run`` on that pipe dir. None where prctl is unavailable."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    parent = os.getpid()
+# Run by the interpreter in the child, in place of a preexec_fn: forking a threaded process
+# (gRPC's device plugin) and running Python before exec crashed that child now and then.
+# prctl(PR_SET_PDEATHSIG) survives the exec: the daemon is SIGKILLed when the thread that
+# started it (the supervisor loop) dies, so a SIGKILLed mpsd leaves no daemon behind whose
+# control_lock would stop the next ``mpsd run`` on that pipe dir.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    f"ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, {int(signal.SIGKILL)}, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('mpsd exited before its control daemon started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
-    def preexec() -> None:  # in the child, between fork and exec: no locks, no allocation to speak of
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
 
-    return preexec
+def daemon_command(binary: str) -> list[str]:
+    """The command line that becomes ``BINARY -f`` (through _DIE_WITH_PARENT on Linux)."""
+    path = shutil.which(binary)
+    if path is None:
+        raise SetupError(
+            f"cannot start control binary {binary!r}: not found or not executable; "
+            "expected a name on PATH or an absolute path"
+        )
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return [path, "-f"]
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f"]
 
 
 class DaemonProcess:
@@ -67,13 +73,12 @@ class DaemonProcess:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and NVML number them
         try:
             self.proc = subprocess.Popen(
-                [config.control_binary, "-f"],
+                daemon_command(config.control_binary),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),
             )
         except OSError as exc:
             raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc
