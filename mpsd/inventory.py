@@ -129,7 +129,9 @@ class Inventory:
 
     def _gpu(self, index: int, handle: object) -> Gpu:
         total, used = self._memory(index, handle)
-        major, minor = _call(f"nvmlDeviceGetCudaComputeCapability(gpu {index})", pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+        major, minor = _call(
+            f"nvmlDeviceGetCudaComputeCapability(gpu {index})", pynvml.nvmlDeviceGetCudaComputeCapability, handle
+        )
         return Gpu(
             index=index,
             uuid=_call(f"nvmlDeviceGetUUID(gpu {index})", pynvml.nvmlDeviceGetUUID, handle),
@@ -185,13 +187,16 @@ class Inventory:
             except pynvml.NVMLError as e:
                 raise InventoryError(f"NVML nvmlDeviceGetMPSComputeRunningProcesses_v3(gpu {index}) failed: {e}") from e
         return _call(
-            f"nvmlDeviceGetComputeRunningProcesses_v3(gpu {index})", pynvml.nvmlDeviceGetComputeRunningProcesses_v3, handle
+            f"nvmlDeviceGetComputeRunningProcesses_v3(gpu {index})",
+            pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
+            handle,
         )
 
     def _fall_back(self, index: int, reason: str) -> None:
         self._mps_query_missing = reason
         log.warning(
-            "nvml MPS process query unavailable, using compute processes (MPS clients show as the server) gpu=%s reason=%r",
+            "nvml MPS process query unavailable, using compute processes (MPS clients show as the server) "
+            "gpu=%s reason=%r",
             index,
             reason,
         )

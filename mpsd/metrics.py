@@ -65,7 +65,10 @@ class Metrics:
             registry=r,
         )
         self.last_error_info = Gauge(
-            "mpsd_last_error_info", "The last error the supervisor saw (value 1, text in the label)", ["message"], registry=r
+            "mpsd_last_error_info",
+            "The last error the supervisor saw (value 1, text in the label)",
+            ["message"],
+            registry=r,
         )
         self.last_error_timestamp = Gauge(
             "mpsd_last_error_timestamp_seconds", "Unix time of the last error (0: none yet)", registry=r
@@ -73,7 +76,10 @@ class Metrics:
         self.mps_servers = Gauge("mpsd_mps_servers", "MPS servers running per GPU", ["gpu"], registry=r)
         self.mps_clients = Gauge("mpsd_mps_clients", "MPS client processes per GPU (NVML)", ["gpu"], registry=r)
         self.client_memory = Gauge(
-            "mpsd_client_memory_bytes", "Device memory used by one MPS client process (NVML)", ["gpu", "pid"], registry=r
+            "mpsd_client_memory_bytes",
+            "Device memory used by one MPS client process (NVML)",
+            ["gpu", "pid"],
+            registry=r,
         )
         self.gpu_memory_total = Gauge(
             "mpsd_gpu_memory_total_bytes", "Device memory of the GPU (NVML)", ["gpu", "uuid"], registry=r
@@ -82,7 +88,9 @@ class Metrics:
             "mpsd_gpu_memory_used_bytes", "Device memory in use on the GPU (NVML)", ["gpu", "uuid"], registry=r
         )
         self.config_generation = Gauge(
-            "mpsd_config_generation", "Generation of the applied MPS configuration (bumped on every re-apply)", registry=r
+            "mpsd_config_generation",
+            "Generation of the applied MPS configuration (bumped on every re-apply)",
+            registry=r,
         )
         self.device_healthy = Gauge(
             "mpsd_device_healthy", "1 if the GPU is offered as healthy to the kubelet", ["gpu"], registry=r
@@ -308,8 +316,9 @@ class Server:
         self._httpd = httpd
         self.host: str = httpd.server_address[0]
         self.port: int = httpd.server_address[1]
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="mpsd-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="mpsd-metrics", daemon=True
+        )
         self._thread.start()
         self._closed = False
 

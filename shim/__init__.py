@@ -6,6 +6,7 @@
 - ``framework_env(...)``: variables that make frameworks live within a capped slice.
 - ``python -m shim path`` / ``python -m shim usage REGION [--json]`` on the command line.
 """
+
 from ._errors import RegionError, ShimError, ShimNotFound
 from ._frameworks import framework_env
 from ._library import LIBRARY_ENV, library_path

@@ -1,4 +1,5 @@
 """`python -m shim ...`; see shim/_cli.py."""
+
 import sys
 
 from ._cli import main

@@ -1,5 +1,6 @@
 """`python -m shim`: `path` prints where libmpsshim.so is; `usage REGION [--json]` shows a
 region's accounting. Wiring only: the work is in _library and _usage."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,19 @@ def format_table(devices: Sequence[DeviceUsage]) -> str:
     for d in devices:
         free = human(max(d.cap - d.used, 0)) if d.cap else "-"
         alive = sum(p.alive for p in d.processes)
-        rows.append((str(d.device), human(d.cap) if d.cap else "none", human(d.used), free, f"{len(d.processes)} ({alive} alive)"))
+        rows.append(
+            (
+                str(d.device),
+                human(d.cap) if d.cap else "none",
+                human(d.used),
+                free,
+                f"{len(d.processes)} ({alive} alive)",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         if i:
             for p in devices[i - 1].processes:
                 lines.append(f"    pid {p.pid:<8} {'alive' if p.alive else 'dead '}  {human(p.used)}")

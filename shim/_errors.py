@@ -1,4 +1,5 @@
 """Errors of the shim's Python side, part of the package-wide tree in mpsd/errors.py."""
+
 from __future__ import annotations
 
 from mpsd.errors import MpsdError, SetupError

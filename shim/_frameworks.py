@@ -7,6 +7,7 @@ process per cap, but when several processes share one cap (one region), the firs
 take the whole slice; these variables make those frameworks allocate on demand instead.
 PyTorch and CuPy allocate on demand already and need nothing.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

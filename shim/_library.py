@@ -1,4 +1,5 @@
 """Where libmpsshim.so is: MPSSHIM_LIBRARY if set, else next to this package."""
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,9 @@ def library_path(environ: Mapping[str, str] | None = None, package_dir: Path = P
     if override:
         path = Path(override).expanduser().resolve()
         if not path.is_file():
-            raise ShimNotFound(f"{LIBRARY_ENV}={override!r} does not name a file; unset it or point it at a built {LIBRARY_NAME}")
+            raise ShimNotFound(
+                f"{LIBRARY_ENV}={override!r} does not name a file; unset it or point it at a built {LIBRARY_NAME}"
+            )
         log.debug("library source=env path=%s", path)
         return path
     path = Path(package_dir).resolve() / LIBRARY_NAME

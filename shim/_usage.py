@@ -4,6 +4,7 @@ The library exports ``int mpsshim_usage(const char *path, ms_snapshot *out, char
 size_t errlen)``; ``ms_snapshot`` is declared in csrc/region.h and mirrored in CDEF below
 (tests/e2e/test_shim_package.py compares sizes and offsets with a C compiler's).
 """
+
 from __future__ import annotations
 
 import functools
@@ -101,9 +102,7 @@ def usage(region_path: str | os.PathLike[str], library: str | os.PathLike[str] |
         reason = ffi.string(err).decode(errors="replace") or "unknown error"
         raise RegionError(f"cannot read region {str(path)!r}: {reason}")
     nprocs = min(int(snap.nprocs), MAX_PROCS)
-    procs = [
-        RawProcess(int(p.pid), bool(p.alive), list(p.used)) for p in (snap.procs[i] for i in range(nprocs))
-    ]
+    procs = [RawProcess(int(p.pid), bool(p.alive), list(p.used)) for p in (snap.procs[i] for i in range(nprocs))]
     devices = devices_from_snapshot(list(snap.cap), list(snap.used), procs)
     log.debug("region read path=%s version=%d procs=%d devices=%d", path, snap.version, nprocs, len(devices))
     return devices

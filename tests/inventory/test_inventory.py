@@ -109,7 +109,9 @@ def test_nvml_errors_name_the_call_and_nvml_message(open_inventory, function: st
 
 def test_mps_query_error_is_not_a_fallback(open_inventory) -> None:
     inv = open_inventory(CONFIG + "fail nvmlDeviceGetMPSComputeRunningProcesses_v3 4\n")
-    with pytest.raises(InventoryError, match=r"MPSComputeRunningProcesses_v3\(gpu 0\) failed: Insufficient Permissions"):
+    with pytest.raises(
+        InventoryError, match=r"MPSComputeRunningProcesses_v3\(gpu 0\) failed: Insufficient Permissions"
+    ):
         inv.mps_clients()
 
 
@@ -157,7 +159,9 @@ def test_default_search_finds_the_library_on_ld_library_path(fake_nvml_lib: Path
     assert out.stdout.strip() == repr([A100[0], T4[0]])
 
 
-def test_use_library_switches_library_and_drops_cached_functions(fake_nvml_lib: Path, tmp_path: Path, open_inventory) -> None:
+def test_use_library_switches_library_and_drops_cached_functions(
+    fake_nvml_lib: Path, tmp_path: Path, open_inventory
+) -> None:
     open_inventory().close()  # caches function pointers of the first library
     copy = tmp_path / "copy" / "libnvidia-ml.so.1"
     copy.parent.mkdir()

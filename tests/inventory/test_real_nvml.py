@@ -34,7 +34,9 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def real() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FAKE_NVML_CONFIG"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     if "skip" in result:
@@ -57,11 +59,16 @@ def test_real_inventory_matches_nvidia_smi(real: dict) -> None:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         pytest.skip("nvidia-smi not on PATH")
-    out = subprocess.run([smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
     assert [(int(i), uuid) for i, uuid, _ in rows] == [(g[0], g[1]) for g in real["gpus"]]
-    for (_, _, mib), gpu in zip(rows, real["gpus"]):
+    for (_, _, mib), gpu in zip(rows, real["gpus"], strict=True):
         assert int(mib) == pytest.approx(gpu[3] / (1 << 20), rel=0.01)  # smi may round or use another call
 
 

@@ -113,7 +113,13 @@ def test_allocations_replace_the_previous_set(metrics: Metrics, server: Server) 
     b = AllocationUsage("alloc-2", "embed-0", "serving", "tei", 1, 4 * GIB, 0)
     metrics.set_allocations([a, b])
     s = scrape(server)
-    labels_a = (("allocation", "alloc-1"), ("container", "vllm"), ("gpu", "0"), ("namespace", "serving"), ("pod", "llm-0"))
+    labels_a = (
+        ("allocation", "alloc-1"),
+        ("container", "vllm"),
+        ("gpu", "0"),
+        ("namespace", "serving"),
+        ("pod", "llm-0"),
+    )
     assert named(s, "mpsd_allocation_memory_limit_bytes")[labels_a] == 8 * GIB
     assert named(s, "mpsd_allocation_memory_used_bytes")[labels_a] == 5 * GIB
     assert len(named(s, "mpsd_allocation_memory_used_bytes")) == 2
@@ -138,10 +144,25 @@ def test_update_supervisor_counts_each_change_once(metrics: Metrics, server: Ser
     metrics.update_supervisor(**snapshot)
     metrics.update_supervisor(**{**snapshot, "health_latency": 0.02})
     metrics.update_supervisor(**{**snapshot, "health_latency": 0.02})  # same check, republished
-    metrics.update_supervisor(**{**snapshot, "daemon_up": False, "restarts": 2, "health_latency": 0.02,
-                                 "last_error": "daemon exited with status 1"})
-    metrics.update_supervisor(**{**snapshot, "restarts": 2, "health_latency": 0.04,
-                                 "last_error": "daemon exited with status 1", "servers": 3, "config_generation": 4})
+    metrics.update_supervisor(
+        **{
+            **snapshot,
+            "daemon_up": False,
+            "restarts": 2,
+            "health_latency": 0.02,
+            "last_error": "daemon exited with status 1",
+        }
+    )
+    metrics.update_supervisor(
+        **{
+            **snapshot,
+            "restarts": 2,
+            "health_latency": 0.04,
+            "last_error": "daemon exited with status 1",
+            "servers": 3,
+            "config_generation": 4,
+        }
+    )
     s = scrape(server)
     assert s[("mpsd_daemon_up", ())] == 1
     assert s[("mpsd_daemon_restarts_total", ())] == 2

@@ -104,8 +104,24 @@ def test_parse_address_accepts(address: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize(
     "address",
-    ["", "9400", "0.0.0.0", "0.0.0.0:", "0.0.0.0:65536", "0.0.0.0:-1", "0.0.0.0:94a0", "host:٩٤", "::1:9400",
-     "[::g]:9400", "[::1:9400", "bad host:9400", "a..b:1", "-:", "http://x:80", "0.0.0.0:+80"],
+    [
+        "",
+        "9400",
+        "0.0.0.0",
+        "0.0.0.0:",
+        "0.0.0.0:65536",
+        "0.0.0.0:-1",
+        "0.0.0.0:94a0",
+        "host:٩٤",
+        "::1:9400",
+        "[::g]:9400",
+        "[::1:9400",
+        "bad host:9400",
+        "a..b:1",
+        "-:",
+        "http://x:80",
+        "0.0.0.0:+80",
+    ],
 )
 def test_parse_address_rejects_with_one_line(address: str) -> None:
     with pytest.raises(ConfigError) as exc:
