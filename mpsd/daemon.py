@@ -272,17 +272,19 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
         on_status=_observer(metrics, pump),
     )
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
+    plugin: PluginRun | None = None  # read by the readiness probe when it is called
     if metrics is not None:
-        server = serve(config.metrics_address, metrics, live=supervisor.loop_alive.is_set, ready=lambda: _ready(board))
+        live = supervisor.loop_alive.is_set
+        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
-    plugin_thread = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
+    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
     try:
         return supervisor.run()
     finally:
         stop_plugin.set()
-        if plugin_thread is not None:
-            plugin_thread.join(10)
+        if plugin is not None and plugin.thread is not None:
+            plugin.thread.join(10)
         if server is not None:
             server.close()
         pump.close()
@@ -290,30 +292,44 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
             inventory.close()
 
 
-def _ready(board: HealthBoard) -> tuple[bool, str]:
+class PluginRun:
+    """The device plugin's thread, and why it is not serving if so ("" while it serves)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.problem = ""
+
+
+def _ready(board: HealthBoard, plugin: PluginRun | None = None) -> tuple[bool, str]:
+    """Ready: daemon up and configured, and the device plugin (when enabled) serving. A plugin
+    that is down makes only /readyz fail: failing liveness would restart mpsd, and with it the
+    daemon under every running client."""
     state = board.current()
+    if plugin is not None and plugin.problem:
+        return False, plugin.problem
     if state.daemon_up and state.configured:
         return True, ""
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
 
 
-def _start_plugin(
-    config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event
-) -> threading.Thread | None:
+def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+    plugin = PluginRun()
     try:
         from .plugin import run_plugin
     except ImportError as exc:
-        log.error("device plugin not available: %s", exc)
-        board.update(last_error=f"device plugin not available: {exc}")
-        return None
+        plugin.problem = f"device plugin not available: {exc}"
+        log.error("%s", plugin.problem)
+        board.update(last_error=plugin.problem)
+        return plugin
     try:
         import shim
 
         shim_library = config.shim_library or str(shim.library_path())
     except Exception as exc:
-        log.error("device plugin not started: cannot find libmpsshim.so: %s", exc)
-        board.update(last_error=f"device plugin not started: {exc}")
-        return None
+        plugin.problem = f"device plugin not started: cannot find libmpsshim.so: {exc}"
+        log.error("%s", plugin.problem)
+        board.update(last_error=plugin.problem)
+        return plugin
 
     def serve() -> None:
         try:
@@ -328,9 +344,17 @@ def _start_plugin(
                 state_dir=config.state_dir,
             )
         except (PluginError, MpsdError) as exc:
-            log.error("device plugin stopped: %s", exc)
-            board.update(last_error=f"device plugin stopped: {exc}")
+            plugin.problem = f"device plugin stopped: {exc}"
+        except Exception as exc:  # a bug: the node must not look fine without its plugin
+            log.exception("device plugin failed")
+            plugin.problem = f"device plugin stopped: {type(exc).__name__}: {exc}"
+        else:
+            if not stop.is_set():
+                plugin.problem = "device plugin stopped without being asked to"
+        if plugin.problem:
+            log.error("%s", plugin.problem)
+            board.update(last_error=plugin.problem)
 
-    thread = threading.Thread(target=serve, name="device-plugin", daemon=True)
-    thread.start()
-    return thread
+    plugin.thread = threading.Thread(target=serve, name="device-plugin", daemon=True)
+    plugin.thread.start()
+    return plugin

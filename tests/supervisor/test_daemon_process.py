@@ -45,3 +45,39 @@ def test_visible_devices_reach_the_daemon_in_nvidia_smi_order(tmp_path, monkeypa
     env = dict(line.split("=", 1) for line in log.read_text().splitlines() if "=" in line)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
+
+
+def test_a_device_plugin_that_stops_makes_the_node_not_ready(tmp_path, monkeypatch):
+    import mpsd.plugin
+    from mpsd.daemon import _ready, _start_plugin
+    from mpsd.errors import PluginError
+    from mpsd.health import HealthBoard
+
+    library = tmp_path / "libmpsshim.so"
+    library.write_bytes(b"")
+    config = cfg.load(None, {}, {"device-plugin": "true", "shim-library": str(library)})
+    board = HealthBoard()
+    board.update(daemon_up=True, configured=True)
+    assert _ready(board, None) == (True, "")
+    calls = []
+
+    def failing(config, **kwargs):
+        calls.append(kwargs)
+        raise PluginError("kubelet registration refused: unknown API version")
+
+    monkeypatch.setattr(mpsd.plugin, "run_plugin", failing)
+    plugin = _start_plugin(config, board, None, lambda: [], threading.Event())
+    plugin.thread.join(30)
+    assert calls and calls[0]["shim_library"] == str(library)
+    assert _ready(board, plugin) == (False, "device plugin stopped: kubelet registration refused: unknown API version")
+
+    monkeypatch.setattr(mpsd.plugin, "run_plugin", lambda config, **kwargs: None)  # returns without a stop
+    plugin = _start_plugin(config, board, None, lambda: [], threading.Event())
+    plugin.thread.join(30)
+    assert _ready(board, plugin) == (False, "device plugin stopped without being asked to")
+
+    stop = threading.Event()
+    stop.set()
+    plugin = _start_plugin(config, board, None, lambda: [], stop)  # asked to stop: no problem
+    plugin.thread.join(30)
+    assert plugin.problem == ""
