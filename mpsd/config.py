@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from .errors import ConfigError
-from .units import LIMITS_FORM, format_limits, parse_duration, parse_limits, parse_percentage
+from .units import LIMITS_FORM, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage
 
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -51,8 +51,7 @@ def _bool(value: Any) -> bool:
 
 def _int_range(low: int, high: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
-        is_digits = isinstance(value, str) and value.isascii() and value.isdigit()
-        if isinstance(value, bool) or not (isinstance(value, int) or is_digits):
+        if isinstance(value, bool) or not (isinstance(value, int) or is_decimal(value)):
             raise ValueError(f"an integer {low}..{high}")
         number = int(value)
         if not low <= number <= high:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .errors import ControlBusy, ControlError, ControlTimeout, DaemonNotRunning, MpsdError
-from .units import UNITS, format_size_mps_control
+from .units import UNITS, format_size_mps_control, is_decimal
 
 if TYPE_CHECKING:
     from .config import Config
@@ -96,7 +96,7 @@ def parse_pids(output: str) -> list[int]:
     """PIDs printed one a line or separated by spaces (get_server_list, get_client_list)."""
     pids = []
     for token in output.split():
-        if not token.isdigit():
+        if not is_decimal(token):
             raise UnexpectedOutput(f"unexpected PID {token!r} in {output!r}: expected decimal process ids")
         pids.append(int(token))
     return pids
@@ -162,7 +162,7 @@ def parse_ps(output: str) -> list[PsEntry]:
         if line.startswith("PID") or line == "Server not found":
             continue
         parts = line.split(None, 5)
-        if len(parts) < 5 or not all(p.isdigit() for p in parts[:3]):
+        if len(parts) < 5 or not all(is_decimal(p) for p in parts[:3]):
             raise UnexpectedOutput(f"unexpected ps line {line!r}: expected PID ID SERVER DEVICE NAMESPACE COMMAND")
         pid, cid, server = (int(p) for p in parts[:3])
         entries.append(PsEntry(pid, cid, server, parts[3], parts[4], parts[5] if len(parts) > 5 else ""))
@@ -172,7 +172,7 @@ def parse_ps(output: str) -> list[PsEntry]:
 def parse_terminate(output: str) -> int:
     """``terminate_client`` prints a CUresult last: 0 is success."""
     lines = _lines(output)
-    if not lines or not lines[-1].lstrip("-").isdigit():
+    if not lines or not is_decimal(lines[-1].removeprefix("-")):
         raise UnexpectedOutput(f"unexpected terminate_client answer {output!r}: expected a CUDA result code")
     return int(lines[-1])
 

@@ -59,8 +59,13 @@ def format_size_mps_control(nbytes: int) -> str:
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
 
 
+def is_decimal(text: object) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²" (int() fails) and "٣" (int() says 3)."""
+    return isinstance(text, str) and text.isascii() and text.isdigit()
+
+
 def parse_device_key(text: str) -> int | str:
-    if text.isascii() and text.isdigit():
+    if is_decimal(text):
         ordinal = int(text)
         if ordinal > MAX_ORDINAL:
             raise ConfigError(f"bad device {text!r}: ordinals run from 0 to {MAX_ORDINAL}")

@@ -7,6 +7,7 @@ from mpsd.units import (
     format_limits,
     format_size,
     format_size_mps_control,
+    is_decimal,
     parse_duration,
     parse_limits,
     parse_percentage,
@@ -106,6 +107,11 @@ keys = st.one_of(st.integers(0, 63), st.from_regex(r"GPU-[a-f0-9-]{1,20}", fullm
 @given(st.dictionaries(keys, st.integers(0, (1 << 64) - 1), max_size=8))
 def test_limits_round_trip(limits):
     assert parse_limits(format_limits(limits)) == limits
+
+
+@pytest.mark.parametrize("text, ok", [("0", True), ("0123", True), ("", False), ("\u00b2", False), ("\u0663", False), ("-1", False), ("1.0", False), (7, False)])
+def test_is_decimal_takes_ascii_digits_only(text, ok):
+    assert is_decimal(text) is ok
 
 
 def test_percentage_bounds():

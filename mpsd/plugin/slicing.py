@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 from ..errors import PluginError
+from ..units import is_decimal
 
 SEPARATOR = "::"
 MAX_DEVICE_ID = 63  # the kubelet's limit on Device.ID
@@ -50,7 +51,7 @@ def slice_id(uuid: str, k: int) -> str:
 def parse_slice_id(text: str, slices_per_gpu: int) -> SliceId:
     """``"GPU-ab::3"`` -> SliceId("GPU-ab", 3); PluginError names the text otherwise."""
     uuid, sep, k = text.rpartition(SEPARATOR)
-    if not sep or not uuid or not _is_number(k) or int(k) >= slices_per_gpu:
+    if not sep or not uuid or not is_decimal(k) or int(k) >= slices_per_gpu:
         raise PluginError(
             f"bad device ID {text!r}: expected <GPU-uuid>::<slice> with slice 0..{slices_per_gpu - 1}"
         )
@@ -205,11 +206,7 @@ def preferred_allocation(
 
 def _loose_parse(text: str) -> SliceId:
     uuid, sep, k = text.rpartition(SEPARATOR)
-    if not sep or not _is_number(k):
+    if not sep or not is_decimal(k):
         raise PluginError(f"bad device ID {text!r}: expected <GPU-uuid>::<slice>")
     return SliceId(uuid, int(k))
 
-
-def _is_number(text: str) -> bool:
-    """ASCII digits only: str.isdigit() also takes "²" (int() fails) and "٣" (int() says 3)."""
-    return text.isascii() and text.isdigit()

@@ -49,7 +49,7 @@ def test_parse_pids(output, pids):
     assert parse_pids(output) == pids
 
 
-@pytest.mark.parametrize("output", ["Server 1 not found", "12 x"])
+@pytest.mark.parametrize("output", ["Server 1 not found", "12 x", "12 \u00b2", "\u0663"])
 def test_parse_pids_rejects_words(output):
     with pytest.raises(ControlError):
         parse_pids(output)
@@ -178,6 +178,12 @@ def test_parse_ps_rejects_garbage():
 @pytest.mark.parametrize("output,code", [("0\n", 0), ("Client terminated\n0\n", 0), ("1\n", 1)])
 def test_parse_terminate(output, code):
     assert parse_terminate(output) == code
+
+
+@pytest.mark.parametrize("output", ["--1\n", "\u00b2\n", "-\n", "ok\n"])
+def test_parse_terminate_rejects_what_is_not_a_result_code(output):
+    with pytest.raises(ControlError):
+        parse_terminate(output)
 
 
 @pytest.mark.parametrize(
