@@ -22,13 +22,16 @@ CUresult ms_hk_cuInit(unsigned int flags)
 }
 MS_EXPORT_AS(cuInit)
 
+/* The cap of a device: 1 and *cap if reported values should show one, else 0. */
+static int device_cap(CUdevice dev, uint64_t *cap)
+{
+    return ms_caps_reported() && ms_cap_of_device(dev, cap) == 1;
+}
+
 /* The cap of the current context's device: 1 and *dev, *cap if capped, else 0. */
 static int current_cap(int *dev, uint64_t *cap)
 {
-    if (ms_disabled())
-        return 0;
-    const ms_state *s = ms_state_get();
-    if (s->limits_bad || s->limits.count == 0)
+    if (!ms_caps_reported())
         return 0;
     ms_cuCtxGetDevice_fn get = (ms_cuCtxGetDevice_fn)ms_real_fn(MS_ID_cuCtxGetDevice);
     if (get == NULL || get(dev) != CUDA_SUCCESS)
@@ -85,16 +88,6 @@ CUresult ms_hk_cuMemGetInfo(unsigned int *free_b, unsigned int *total_b)
     return rc;
 }
 MS_EXPORT_AS(cuMemGetInfo)
-
-static int device_cap(CUdevice dev, uint64_t *cap)
-{
-    if (ms_disabled())
-        return 0;
-    const ms_state *s = ms_state_get();
-    if (s->limits_bad || s->limits.count == 0)
-        return 0;
-    return ms_cap_of_device(dev, cap) == 1;
-}
 
 CUresult ms_hk_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {

@@ -42,11 +42,9 @@ static int cuda_ordinal_of(const char *uuid)
 /* 1 with the cap and the region ordinal if the NVML device is capped, else 0. */
 static int nvml_cap(nvmlDevice_t device, uint64_t *cap, int *ordinal)
 {
-    if (ms_disabled())
+    if (!ms_caps_reported())
         return 0;
     const ms_state *s = ms_state_get();
-    if (s->limits_bad || s->limits.count == 0)
-        return 0;
     ms_nvmlDeviceGetIndex_fn index_fn = (ms_nvmlDeviceGetIndex_fn)ms_real_fn(MS_ID_nvmlDeviceGetIndex);
     ms_nvmlDeviceGetUUID_fn uuid_fn = (ms_nvmlDeviceGetUUID_fn)ms_real_fn(MS_ID_nvmlDeviceGetUUID);
     unsigned int index = 0;

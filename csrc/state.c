@@ -46,6 +46,14 @@ int ms_disabled(void)
     return d;
 }
 
+int ms_caps_reported(void)
+{
+    if (ms_disabled())
+        return 0;
+    const ms_state *s = ms_state_get();
+    return !s->limits_bad && s->limits.count > 0;
+}
+
 /* 1 if the path was named in MPSSHIM_REGION (a region shared by the container's processes,
  * created 0666 so every UID among them can join), 0 for the per-UID default (umask applies). */
 int ms_region_path(char *buf, size_t len)

@@ -25,6 +25,9 @@ typedef struct ms_state {
 
 /* 1 if MPSSHIM_DISABLE asks for pass-through (cheap; reads only that variable, once). */
 int ms_disabled(void);
+/* 1 when memory queries report caps: not disabled, and the limits parsed and are not empty
+ * (with a malformed limit allocations are refused instead, and queries pass through). */
+int ms_caps_reported(void);
 
 /* The configuration (read on first use). */
 const ms_state *ms_state_get(void);
