@@ -124,18 +124,12 @@ def exec_limits(gpu_memory: str | None) -> dict[int | str, int]:
 
 
 def _shim_path(config: cfg.Config) -> str:
-    if config.shim_library:
-        if not os.path.isfile(config.shim_library):
-            raise MpsdError(f"shimLibrary {config.shim_library!r}: no such file; expected a built libmpsshim.so")
-        return config.shim_library
-    try:
-        import shim
+    from .daemon import shim_library_path
 
-        return str(shim.library_path())
-    except Exception as exc:  # ShimNotFound or an import problem: one line either way
-        raise MpsdError(
-            f"cannot find libmpsshim.so: {exc}; build it (pip install -e .) or pass --shim-library, or use --no-shim"
-        ) from exc
+    try:
+        return shim_library_path(config)
+    except MpsdError as exc:
+        raise MpsdError(f"{exc}, or use --no-shim") from exc
 
 
 def _region_dir(config: cfg.Config) -> str:

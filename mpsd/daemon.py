@@ -312,6 +312,22 @@ def _ready(board: HealthBoard, plugin: PluginRun | None = None) -> tuple[bool, s
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
 
 
+def shim_library_path(config: cfg.Config) -> str:
+    """libmpsshim.so for clients: shimLibrary when set (it must exist), else the shim package's."""
+    if config.shim_library:
+        if not os.path.isfile(config.shim_library):
+            raise MpsdError(f"shimLibrary {config.shim_library!r}: no such file; expected a built libmpsshim.so")
+        return config.shim_library
+    try:
+        import shim
+
+        return str(shim.library_path())
+    except Exception as exc:  # ShimNotFound or an import problem: one line either way
+        raise MpsdError(
+            f"cannot find libmpsshim.so: {exc}; build it (pip install -e .) or pass --shim-library"
+        ) from exc
+
+
 def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
     plugin = PluginRun()
     try:
@@ -322,11 +338,9 @@ def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: t
         board.update(last_error=plugin.problem)
         return plugin
     try:
-        import shim
-
-        shim_library = config.shim_library or str(shim.library_path())
-    except Exception as exc:
-        plugin.problem = f"device plugin not started: cannot find libmpsshim.so: {exc}"
+        shim_library = shim_library_path(config)
+    except MpsdError as exc:
+        plugin.problem = f"device plugin not started: {exc}"
         log.error("%s", plugin.problem)
         board.update(last_error=plugin.problem)
         return plugin
