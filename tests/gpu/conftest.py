@@ -6,6 +6,7 @@ directory, and stop every MPS daemon they start.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -24,6 +25,13 @@ def _gpu_count() -> int:
 
 
 GPUS = _gpu_count()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any MPS or shim setting of its own, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "MPSSHIM_"))}
+    env.update(extra)
+    return env
 
 
 def pytest_collection_modifyitems(config, items):

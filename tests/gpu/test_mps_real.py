@@ -6,7 +6,6 @@ the compute mode. The daemon is stopped through mpsd (SIGTERM) before each test 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.gpu.conftest import clean_env
 
 GIB = 1 << 30
 MPSD = [sys.executable, "-m", "mpsd"]
@@ -51,10 +52,9 @@ def node(tmp_path: Path):
 
 
 def _exec(node, *mpsd_args: str, code: str, python: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "MPSSHIM_"))}
     return subprocess.run(
         [*MPSD, "exec", "--pipe-dir", str(node["pipe"]), *mpsd_args, "--", python, "-c", code],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=clean_env(), capture_output=True, text=True, timeout=300,
     )
 
 
@@ -85,10 +85,9 @@ def test_shim_and_mps_together_show_the_cap(node, torch_python):
 
 def test_status_lists_the_server_and_its_client(node, torch_python, tmp_path):
     code = "import os, sys, torch; x = torch.empty(1 << 28, device='cuda'); print(os.getpid(), flush=True); sys.stdin.read()"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "MPSSHIM_"))}
     client = subprocess.Popen(
         [*MPSD, "exec", "--pipe-dir", str(node["pipe"]), "--", torch_python, "-c", code],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         line = client.stdout.readline().strip()

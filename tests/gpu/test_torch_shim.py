@@ -5,6 +5,8 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+from tests.gpu.conftest import clean_env
+
 GIB = 1 << 30
 
 MEMINFO = "import torch; free, total = torch.cuda.mem_get_info(); print(free, total)"
@@ -27,13 +29,9 @@ ALLOC = textwrap.dedent(
 
 
 def _env(shim_lib: Path, region: Path, limit: str, **extra: str) -> dict[str, str]:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "MPSSHIM_"))}
-    env.update(
+    return clean_env(
         LD_PRELOAD=str(shim_lib), MPSSHIM_REGION=str(region), CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=limit, **extra
     )
-    return env
 
 
 def _run(python: str, code: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
