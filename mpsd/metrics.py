@@ -148,7 +148,7 @@ class Metrics:
         servers: int | Mapping[int, int],
         config_generation: int,
     ) -> None:
-        """One supervisor status snapshot (mpsd.daemon pushes one per change). ``restarts`` is
+        """One supervisor status snapshot (mpsd.node pushes one per change). ``restarts`` is
         the running total: the counter advances by the difference. Snapshots repeat the last
         latency and error, so a latency is observed and an error stamped only when it
         changes. ``servers`` as a plain count is exported with gpu="all"."""
@@ -195,7 +195,7 @@ class Metrics:
             self._replace(self.client_memory, memory)
 
     def update_gpus(self, gpus: Iterable[Gpu], clients: Iterable[Client]) -> None:
-        """Alias of observe_inventory (the name mpsd.daemon calls)."""
+        """Alias of observe_inventory (the name mpsd.node calls)."""
         self.observe_inventory(gpus, clients)
 
     # -- device plugin -----------------------------------------------------------------
