@@ -4,10 +4,12 @@ mpsd/node.py, ``mpsd status`` in mpsd/status.py."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -87,22 +89,17 @@ class DaemonProcess:
         log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
 
     def _pump(self) -> None:
+        """Copy the daemon's output to control.log until it closes. The output is always read,
+        whatever the file does: a daemon whose stdout fills up blocks, and with it every client."""
         assert self.proc.stdout is not None
-        try:
-            out = open(self._log_path, "ab")
-        except OSError as exc:
-            log.warning("cannot write daemon log path=%s error=%s", self._log_path, exc.strerror)
-            out = None
+        out = LogFile(self._log_path)
         with self.proc.stdout:
             for line in self.proc.stdout:
-                if out is not None:
-                    out.write(line)
-                    out.flush()
+                out.write(line)
                 text = line.decode(errors="replace").rstrip()
                 level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
                 log.log(level, "daemon pid=%d says %s", self.pid, text)
-        if out is not None:
-            out.close()
+        out.close()
 
     def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:
         self.returncode = self.proc.wait()
@@ -129,3 +126,77 @@ class DaemonProcess:
             return True
         except subprocess.TimeoutExpired:
             return False
+
+
+class LogFile:
+    """control.log, appended to line by line. A line that cannot be written (a full disk, the
+    directory gone) is dropped and counted, and the next line tries again (the file reopened at
+    most every REOPEN_EVERY seconds): writing resumes once there is space, with a line saying
+    how many were lost. Opened without following links; anything but a regular file is refused."""
+
+    REOPEN_EVERY = 1.0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.dropped = 0
+        self._fd: int | None = None
+        self._reopen_at = 0.0
+        self._failure = ""  # why lines are being dropped, "" while writing works
+        self._partial = False  # the last failed write left half a line in the file
+
+    def write(self, line: bytes) -> bool:
+        """True if ``line`` reached the file."""
+        try:
+            fd = self._open()
+            if self._failure:
+                note = f"mpsd: {self.dropped} line(s) of the control daemon's output lost: {self._failure}\n"
+                self._write_all(fd, (b"\n" if self._partial else b"") + note.encode())
+            self._write_all(fd, line)
+        except OSError as exc:
+            self._dropped(exc)
+            return False
+        if self._failure:
+            log.warning("control log written again path=%s lost_lines=%d", self.path, self.dropped)
+            self._failure, self.dropped = "", 0
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _open(self) -> int:
+        if self._fd is not None:
+            return self._fd
+        if time.monotonic() < self._reopen_at:
+            raise OSError(errno.EAGAIN, self._failure or "waiting to reopen")
+        self._reopen_at = time.monotonic() + self.REOPEN_EVERY
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(self.path, flags, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file")
+        self._fd = fd
+        return fd
+
+    def _write_all(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(fd, view)
+            except OSError:
+                self._partial = len(view) < len(data)
+                raise
+            view = view[written:]
+        self._partial = False
+
+    def _dropped(self, exc: OSError) -> None:
+        self.dropped += 1
+        if exc.errno == errno.EAGAIN:
+            return  # not reopened yet: already reported
+        reason = exc.strerror or str(exc)
+        if not self._failure:
+            log.warning("cannot write control log path=%s error=%s: dropping lines until it works", self.path, reason)
+        self._failure = reason
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            self.close()  # reopen later: the file or its directory may be back

@@ -11,6 +11,7 @@ import threading
 from typing import Callable
 
 from . import config as cfg
+from . import dirs
 from .errors import InventoryError, MpsdError, PluginError
 from .health import HealthBoard
 from .supervisor import Status, Supervisor
@@ -133,9 +134,19 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
 
 
 def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start."""
+    """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start,
+    SetupError at once when another ``mpsd run`` holds the pipe dir: its lock is taken before
+    anything else touches the pipe dir, and kept until the daemon is gone."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger().setLevel(config.log_level.upper())
+    lock = dirs.hold_pipe_dir(config.pipe_dir)
+    try:
+        return _serve(config, reload)
+    finally:
+        dirs.release_pipe_dir(lock)
+
+
+def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
     board = HealthBoard()
     inventory = open_inventory(config)

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 from . import dirs
@@ -261,6 +262,10 @@ class Supervisor:
         assert daemon is not None
         control = self.control()
         began = time.monotonic()
+        unreachable = dirs.client_socket_problem(Path(self.config.pipe_dir))
+        if unreachable:  # a restart makes the daemon create it again
+            self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {unreachable}")
+            return
         try:
             control.get_default_active_thread_percentage()
             servers = control.get_server_list()
