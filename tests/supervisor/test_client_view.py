@@ -95,6 +95,7 @@ def test_the_control_log_survives_a_full_disk_and_resumes(make_config, small_tmp
         while "Cmd:get_default_device_pinned_mem_limit 31337" not in log.read_text(errors="replace"):
             assert time.monotonic() < deadline, "control.log not written after space was freed"
             time.sleep(0.1)
+        assert "line(s) of the control daemon's output lost: No space left on device" in log.read_text()
         assert r.sup.status().pid == pid and r.sup.status().restarts == 0  # the daemon never blocked
     finally:
         threading.excepthook = old_hook
