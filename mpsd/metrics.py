@@ -95,6 +95,15 @@ class Metrics:
         self.device_healthy = Gauge(
             "mpsd_device_healthy", "1 if the GPU is offered as healthy to the kubelet", ["gpu"], registry=r
         )
+        self.fault_terminations = Counter(
+            "mpsd_fault_terminations",
+            "Clients of an MPS server in FAULT ended by faultPolicy terminate, by how",
+            ["method"],
+            registry=r,
+        )
+        for method in ("terminate_client", "sigkill"):  # exported from the start, at 0
+            self.fault_terminations.labels(method)
+        self._terminations_seen: dict[str, int] = {}
         self.allocation_used = Gauge(
             "mpsd_allocation_memory_used_bytes",
             "Device memory used by one device-plugin allocation (shim accounting)",
@@ -168,6 +177,16 @@ class Metrics:
             self.set_last_error(last_error)
         self.set_mps_servers({"all": servers} if isinstance(servers, int) else servers)
         self.set_config_generation(config_generation)
+
+    def set_fault_terminations(self, totals: Mapping[str, int]) -> None:
+        """Running totals per method (terminate_client, sigkill): each counter advances by the
+        difference to the last totals seen."""
+        with self._lock:
+            for method, total in totals.items():
+                new = total - self._terminations_seen.get(method, 0)
+                if new > 0:
+                    self.fault_terminations.labels(method).inc(new)
+                self._terminations_seen[method] = max(total, self._terminations_seen.get(method, 0))
 
     # -- inventory ---------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
                 servers=len(status.servers),
                 config_generation=status.config_generation,
             )
+            metrics.set_fault_terminations(status.fault_terminations)
         pump.request()  # also when down: the device health series follows the board
 
     return observe
