@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from .control import CommandRejected, Control, UnexpectedOutput, UnknownCommand
-from .errors import ControlError
+from .errors import ControlBusy, ControlError, ControlTimeout
 
 log = logging.getLogger(__name__)
 
@@ -106,23 +106,27 @@ class FaultHandler:
             return f"faultPolicy terminate: cannot list the clients of server {server}: {exc}"
         ending = self._servers.get(server)
         if ending is None:
-            self._servers[server] = _Ending(time.monotonic())
+            ending = self._servers[server] = _Ending(time.monotonic())
             ended = self._terminate(control, server, clients)
+            if ended is None:  # the daemon did not take the commands: all again at the next check
+                del self._servers[server]
+                return f"faultPolicy terminate: terminate_client to the clients of server {server} not sent yet"
             if self.unsupported:
                 return ""
-            return (
-                f"faultPolicy terminate: terminate_client sent to {ended}/{len(clients)} client(s) of server {server}"
-            )
+            return f"faultPolicy terminate: terminate_client ended {ended}/{len(clients)} client(s) of server {server}"
         left = [pid for pid in clients if pid not in ending.killed]
         waited = time.monotonic() - ending.since
-        if not left or waited < self.grace:
-            return f"faultPolicy terminate: waiting for {len(left)} client(s) of server {server} to exit"
-        for pid in left:
-            if self._kill(control, server, pid):
-                ending.killed.add(pid)
-        return f"faultPolicy terminate: {len(ending.killed)} client(s) of server {server} SIGKILLed after {waited:.1f}s"
+        if left and waited >= self.grace:
+            ending.killed.update(pid for pid in left if self._kill(control, server, pid))
+            left = [pid for pid in left if pid not in ending.killed]
+        killed = f"{len(ending.killed)} client(s) SIGKILLed, " if ending.killed else ""
+        if left:
+            return f"faultPolicy terminate: {killed}{len(left)} client(s) of server {server} left after {waited:.1f}s"
+        return f"faultPolicy terminate: {killed}no client of server {server} left, waiting for it to leave FAULT"
 
-    def _terminate(self, control: Control, server: int, clients: list[int]) -> int:
+    def _terminate(self, control: Control, server: int, clients: list[int]) -> int | None:
+        """terminate_client for each client: how many it ended; None if the daemon was hung or
+        held by another front-end (nothing is counted as sent then)."""
         ended = 0
         for pid in clients:
             try:
@@ -131,7 +135,10 @@ class FaultHandler:
                 self.unsupported = UNSUPPORTED.format(reason=str(exc).split(": ")[-1])
                 log.error("%s", self.unsupported)
                 return ended
-            except ControlError as exc:  # rejected (the client left meanwhile), busy, timed out
+            except (ControlTimeout, ControlBusy) as exc:
+                log.warning("fault policy: terminate_client not taken server=%d client=%d error=%s", server, pid, exc)
+                return None if ended == 0 else ended
+            except ControlError as exc:  # rejected: the client left meanwhile
                 log.warning("fault policy: terminate_client failed server=%d client=%d error=%s", server, pid, exc)
                 continue
             if result != 0:
