@@ -146,3 +146,19 @@ def test_report_leaves_the_clients_alone(make_config, run_supervisor, monkeypatc
     checks = r.sup.status().health_checks
     wait_until(lambda: r.sup.status().health_checks >= checks + 3, what="more health checks")
     assert clients[0].poll() is None and not sent and not gone(clients[0].pid)
+
+
+def test_terminate_set_by_a_reload_acts_on_a_server_already_in_fault(make_config, run_supervisor, monkeypatch, clients):
+    terminate = make_config(**{"fault-policy": "terminate"})
+    r = run_supervisor(make_config(), gpu_indices=lambda: [0], reload=lambda: terminate)
+    r.wait_for(lambda s: s.configured)
+    clients += [client(cooperative=True)]
+    sent: list = []
+    fault(monkeypatch, r, clients, sent)
+    r.wait_for(lambda s: s.faulted_gpus, what="FAULT published")
+    checks = r.sup.status().health_checks
+    wait_until(lambda: r.sup.status().health_checks >= checks + 2, what="more health checks")
+    assert clients[0].poll() is None and not sent
+    r.sup.reload()
+    wait_until(lambda: clients[0].poll() is not None, what="the client ended after the reload")
+    assert sent == [(SERVER, clients[0].pid)] and r.sup.status().pid is not None
