@@ -123,3 +123,17 @@ def test_a_second_run_refused_while_the_first_restarts_its_daemon(mps_control, m
     finally:
         code, err = stop(first)
     assert code == 0, err
+
+
+def test_a_planted_pipe_dir_stops_mpsd_run_with_one_line(mps_control, mps_dirs):
+    pipe, logs = mps_dirs
+    target = pipe.parent / "elsewhere"
+    target.mkdir()
+    pipe.symlink_to(target)
+    proc = mpsd_run(mps_control, pipe, logs)
+    code, err = stop(proc) if proc.wait(60) is not None else (None, "")
+    lines = [line for line in err.strip().splitlines() if not LOG_RECORD.match(line)]
+    assert code == 1 and lines == [
+        f"mpsd: pipe dir {pipe}: a symbolic link; expected a directory, not a link to one: use the real path"
+    ], err
+    assert not any(target.iterdir())  # no lock, no daemon files
