@@ -214,8 +214,13 @@ def hold_pipe_dir(pipe_dir: str) -> int:
                 f"pipe dir {pipe}: another mpsd run (pid {_holder(fd)}) holds {path}; "
                 "stop it or give this one another pipeDir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            raise SetupError(f"pipe dir {pipe}: cannot lock {path}: {exc.strerror}") from exc
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the lock holds all the same, only the PID is not named
+            log.warning("cannot write pid to lock file path=%s error=%s", path, exc.strerror)
     except BaseException:
         os.close(fd)
         raise
@@ -226,6 +231,8 @@ def release_pipe_dir(fd: int) -> None:
     """Clear the PID (a later refusal must not name a process gone) and drop the lock."""
     try:
         os.ftruncate(fd, 0)
+    except OSError:
+        pass  # the lock goes with the close all the same
     finally:
         os.close(fd)
 
