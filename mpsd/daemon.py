@@ -83,6 +83,7 @@ class DaemonProcess:
         self.pid = self.proc.pid
         self.started = time.monotonic()
         self.returncode: int | None = None
+        self.retired_because = ""  # why the supervisor killed it, if it did
         self._log_path = os.path.join(config.log_dir, "control.log")
         threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
         threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()

@@ -234,7 +234,10 @@ class Supervisor:
             return  # one we already retired
         self._daemon = None
         daemon.kill()  # its servers, if any are left
-        self._failed(f"daemon pid={daemon.pid} exited with status {returncode}")
+        if daemon.retired_because:  # killed by us: the reason stays what /readyz says until the restart
+            self._failed(f"{daemon.retired_because}; killed (status {returncode})")
+        else:
+            self._failed(f"daemon pid={daemon.pid} exited with status {returncode}")
 
     def _failed(self, message: str) -> None:
         failures = self.status().failures_in_row + 1
@@ -305,6 +308,7 @@ class Supervisor:
     def _retire(self, daemon: DaemonProcess, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
         log.error("%s: killing it", message)
+        daemon.retired_because = message
         self.board.update(daemon_up=False, configured=False, last_error=message)
         self._publish(last_error=message)
         daemon.kill()

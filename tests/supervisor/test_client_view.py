@@ -100,3 +100,64 @@ def test_the_control_log_survives_a_full_disk_and_resumes(make_config, small_tmp
     finally:
         threading.excepthook = old_hook
     assert not errors, [f"{e.thread.name}: {e.exc_type.__name__}: {e.exc_value}" for e in errors]
+
+
+def readyz(port: int) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def test_mpsd_run_is_not_ready_while_the_control_socket_is_missing(mps_control, mps_dirs):
+    import socket
+    import sys
+
+    pipe, logs = mps_dirs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mpsd",
+            "run",
+            f"--control-binary={mps_control}",
+            f"--pipe-dir={pipe}",
+            f"--log-dir={logs}",
+            f"--state-dir={pipe.parent / 'state'}",
+            f"--metrics-address=127.0.0.1:{port}",
+            "--health-interval=0.3s",
+            "--restart-backoff-initial=2s",  # the restart waits: /readyz must say 503 meanwhile
+            "--log-level=warning",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while readyz(port)[0] != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "never ready"
+            time.sleep(0.05)
+        (pipe / "control").unlink()
+        while (reply := readyz(port))[0] != 503:
+            assert time.monotonic() < deadline, "still ready without the control socket"
+            time.sleep(0.05)
+        assert f"{pipe / 'control'} is missing" in reply[1]
+        while readyz(port)[0] != 200:
+            assert time.monotonic() < deadline, "not ready again"
+            time.sleep(0.05)
+        assert stat.S_ISSOCK(os.lstat(pipe / "control").st_mode)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
