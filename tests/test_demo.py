@@ -71,7 +71,7 @@ def test_the_second_client_is_refused_with_the_shims_one_line(demo: str) -> None
 
 
 def test_the_usage_table_lists_the_holder(demo: str) -> None:
-    holder = re.search(r"^\[A pid (\d+)\]", demo, re.M).group(1)
+    holder = re.search(r"^\[A pid (\d+)\]", demo, re.MULTILINE).group(1)
     table = demo.split("--- python -m shim usage ", 1)[1].split("\n--- ", 1)[0].splitlines()[1:]
     assert table[0].split() == ["DEVICE", "CAP", "USED", "FREE", "PROCESSES"]
     assert table[1].split() == ["0", "4.0", "GiB", "3.0", "GiB", "1.0", "GiB", "1", "(1", "alive)"]
@@ -79,7 +79,7 @@ def test_the_usage_table_lists_the_holder(demo: str) -> None:
 
 
 def test_metrics_show_the_region_and_its_client(demo: str) -> None:
-    holder = re.search(r"^\[A pid (\d+)\]", demo, re.M).group(1)
+    holder = re.search(r"^\[A pid (\d+)\]", demo, re.MULTILINE).group(1)
     lines = demo.splitlines()
     assert 'mpsd_region_memory_cap_bytes{device="0",region="demo"} 4.294967296e+09' in lines
     assert 'mpsd_region_memory_used_bytes{device="0",region="demo"} 3.221225472e+09' in lines
