@@ -59,7 +59,10 @@ def test_the_first_client_sees_the_slice_and_holds_3_gib(demo: str) -> None:
 
 def test_the_second_client_is_refused_with_the_shims_one_line(demo: str) -> None:
     b = [line.split("] ", 1)[1] for line in demo.splitlines() if line.startswith("[B pid ")]
-    assert b == ["cuMemGetInfo: total 4.00 GiB, free 1.00 GiB", "cuMemAlloc 2.00 GiB: refused, CUDA_ERROR_OUT_OF_MEMORY (2)"]
+    assert b == [
+        "cuMemGetInfo: total 4.00 GiB, free 1.00 GiB",
+        "cuMemAlloc 2.00 GiB: refused, CUDA_ERROR_OUT_OF_MEMORY (2)",
+    ]
     refusals = [line for line in demo.splitlines() if line.startswith("mpsshim[")]
     assert len(refusals) == 1
     assert re.fullmatch(
