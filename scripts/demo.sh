@@ -14,17 +14,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${MPSD_DEMO_PYTHON:-}" ]; then
-    py=$MPSD_DEMO_PYTHON
+    py=$(realpath -s "$(command -v "$MPSD_DEMO_PYTHON")") # absolute, the venv link kept
 else
     [ -x .venv/bin/python ] || python3 -m venv .venv
     .venv/bin/python -m pip install -q .
-    py=.venv/bin/python
+    py=$PWD/.venv/bin/python
 fi
-mpsd=("$py" -m mpsd)
 port=${MPSD_DEMO_PORT:-19400}
 work=$(mktemp -d)
 chmod 711 "$work" # clients of other users must reach the pipe directory inside (mpsd would warn and do it)
 trap 'rm -rf "$work"' EXIT
+# The installed mpsd and shim, run from $work: from the repository root, python -m would import
+# the source tree, which holds no built libmpsshim.so after a plain `pip install .`.
+mpsd=(env -C "$work" "$py" -m mpsd)
+shim=(env -C "$work" "$py" -m shim)
+client=$PWD/scripts/demo_client.py
 section() { printf '\n--- %s\n' "$*"; }
 
 if [ "${MPSD_DEMO_SIMULATE:-0}" != 1 ] && nvidia-smi -L >/dev/null 2>&1 && command -v nvidia-cuda-mps-control >/dev/null; then
@@ -63,16 +67,16 @@ section "what mpsd exec gives a client: its MPS settings, the shim, the slice's 
 "${exec_client[@]}" env | grep -E '^(CUDA_MPS_|LD_PRELOAD|MPSSHIM_)' | sort
 
 section "two clients of one 4 GiB slice: mpsd exec --gpu-memory 4G --region $region -- ..."
-"${exec_client[@]}" "$py" scripts/demo_client.py A --allocate 3G --hold >"$work/a.out" 2>&1 &
+"${exec_client[@]}" "$py" "$client" A --allocate 3G --hold >"$work/a.out" 2>&1 &
 holder=$!
 for _ in $(seq 1 100); do grep -q holding "$work/a.out" && break; sleep 0.1; done
 cat "$work/a.out"
 rc=0
-"${exec_client[@]}" "$py" scripts/demo_client.py B --allocate 2G 2>&1 || rc=$?
+"${exec_client[@]}" "$py" "$client" B --allocate 2G 2>&1 || rc=$?
 echo "(B exited $rc: its allocation would pass the slice's cap)"
 
 section "python -m shim usage $region"
-"$py" -m shim usage "$region"
+"${shim[@]}" usage "$region"
 
 section "/metrics of mpsd run: the slice from the shim's accounting of <stateDir>/exec/*/region"
 metrics() {
