@@ -39,7 +39,8 @@ class RegionUsage:
 
 def region_files(root: str, limit: int = MAX_REGIONS) -> list[tuple[str, str]]:
     """(name, path) of each ``root/<name>/region`` that is a regular file reached without a
-    symlink, sorted by name, at most ``limit``; [] when ``root`` does not exist."""
+    symlink, sorted by name, at most ``limit``; [] when ``root`` does not exist. Names that
+    are not printable UTF-8 are skipped."""
     try:
         with os.scandir(root) as it:
             dirs = sorted((e for e in it if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
@@ -47,6 +48,8 @@ def region_files(root: str, limit: int = MAX_REGIONS) -> list[tuple[str, str]]:
         return []
     found = []
     for entry in dirs:
+        if not entry.name.isprintable() or _surrogates(entry.name):
+            continue  # a label value must be text: a name that is not would break every scrape
         path = os.path.join(entry.path, REGION_NAME)
         try:
             if stat.S_ISREG(os.lstat(path).st_mode):
@@ -56,6 +59,14 @@ def region_files(root: str, limit: int = MAX_REGIONS) -> list[tuple[str, str]]:
         if len(found) == limit:
             break
     return found
+
+
+def _surrogates(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 (os.fsdecode's surrogateescape)
+        return True
+    return False
 
 
 def rows_for(name: str, devices: Sequence) -> list[RegionUsage]:

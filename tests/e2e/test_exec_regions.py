@@ -48,6 +48,23 @@ def test_region_files_reads_only_regular_files_one_level_down_without_symlinks(t
     assert region_files(str(tmp_path / "absent")) == []
 
 
+def test_region_names_that_are_not_printable_utf8_are_skipped(holder_exe, shim_lib, tmp_path):
+    root = tmp_path / "exec"
+    for name in (b"caf\xe9", b"new\nline", b"ok"):
+        os.makedirs(os.path.join(os.fsencode(root), name))
+    for name in (b"new\nline", b"ok"):
+        open(os.path.join(os.fsencode(root), name, b"region"), "wb").close()
+    a = hold(holder_exe, os.path.join(os.fsencode(root), b"caf\xe9", b"region"), f"0:{4 * G}:{G}")
+    try:
+        assert region_files(str(root)) == [("ok", str(root / "ok" / "region"))]
+        metrics = Metrics()
+        metrics.set_regions(ExecRegions(str(root), lambda: str(shim_lib))())
+        assert "mpsd_region_" not in "".join(scrape(metrics))  # and the scrape still works
+    finally:
+        a.kill()
+        a.wait()
+
+
 def test_exec_regions_reads_caps_usage_and_live_processes(holder_exe, shim_lib, tmp_path):
     root = tmp_path / "exec"
     for name in ("shared", "solo", "bad", "fifo"):
