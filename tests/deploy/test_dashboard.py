@@ -12,6 +12,7 @@ relabelings), so a renamed metric or label fails here.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -262,3 +263,9 @@ def test_the_component_ships_the_json_as_a_sidecar_configmap() -> None:
     assert cm["metadata"]["namespace"] == "mpsd-system"
     assert json.loads(cm["data"]["mpsd-dashboard.json"]) == dashboard()
     assert not [o for o in rendered("deploy") if o["metadata"]["name"] == "mpsd-grafana-dashboard"]
+
+
+def test_every_exported_metric_is_in_the_operations_table(exported: Exported) -> None:
+    doc = (REPO / "docs/operations.md").read_text()
+    families = {re.sub(r"_(bucket|count|sum)$", "", name) for name in exported if not name.endswith("_created")}
+    assert sorted(f for f in families if f"`{f}`" not in doc) == []
