@@ -12,8 +12,8 @@ relabelings), so a renamed metric or label fails here.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
