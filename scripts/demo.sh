@@ -32,11 +32,13 @@ client=$PWD/scripts/demo_client.py
 section() { printf '\n--- %s\n' "$*"; }
 
 if [ "${MPSD_DEMO_SIMULATE:-0}" != 1 ] && nvidia-smi -L >/dev/null 2>&1 && command -v nvidia-cuda-mps-control >/dev/null; then
+    simulated=0
     control=$(command -v nvidia-cuda-mps-control)
     client_env=()
     nvml=()
     echo "=== real GPU: $(nvidia-smi -L | head -n 1)"
 else
+    simulated=1
     # Import from the repository root (tests/mpsbin.py), not from the installed copy's directory.
     control=$(PYTHONPATH=. "$py" -c 'from tests.mpsbin import ensure_mps_control; print(ensure_mps_control())')
     make -s -C tests/fakes OUT_DIR="$work/fakes" all
@@ -75,6 +77,11 @@ rc=0
 "${exec_client[@]}" "$py" "$client" B --allocate 2G 2>&1 || rc=$?
 echo "(B exited $rc: its allocation would pass the slice's cap)"
 
+if [ "$simulated" = 0 ]; then
+    section "mpsd status while client A holds its 3 GiB"
+    "${mpsd[@]}" status "${common[@]}" --pinned-mem-limit 0=8G || true
+fi
+
 section "python -m shim usage $region"
 "${shim[@]}" usage "$region"
 
@@ -87,7 +94,7 @@ metrics() {
 }
 for _ in $(seq 1 50); do metrics | grep -q '^mpsd_region_process_memory_bytes' && break; sleep 0.2; done
 metrics
-if [ ${#nvml[@]} -gt 0 ]; then
+if [ "$simulated" = 1 ]; then
     echo "(simulated: NVML's per-client series mpsd_client_memory_bytes{gpu,pid} stays empty, as no client reached MPS)"
 fi
 
