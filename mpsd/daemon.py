@@ -176,7 +176,9 @@ class InventoryPump:
     must never wait on it. Requests coalesce: a refresh reads the latest state. Memory
     series cover every GPU; indices and device health only the managed ones."""
 
-    def __init__(self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None) -> None:
+    def __init__(
+        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None
+    ) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
         self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
         self._visible_devices = visible_devices
