@@ -71,10 +71,11 @@ section "what mpsd exec gives a client: its MPS settings, the shim, the slice's 
 section "two clients of one 4 GiB slice: mpsd exec --gpu-memory 4G --region $region -- ..."
 "${exec_client[@]}" "$py" "$client" A --allocate 3G --hold >"$work/a.out" 2>&1 &
 holder=$!
+trap 'kill -TERM $holder $pid 2>/dev/null || true; wait $holder $pid 2>/dev/null || true; rm -rf "$work"' EXIT
 for _ in $(seq 1 100); do grep -q holding "$work/a.out" && break; sleep 0.1; done
 cat "$work/a.out"
 rc=0
-"${exec_client[@]}" "$py" "$client" B --allocate 2G 2>&1 || rc=$?
+timeout 60 "${exec_client[@]}" "$py" "$client" B --allocate 2G 2>&1 || rc=$?
 echo "(B exited $rc: its allocation would pass the slice's cap)"
 
 if [ "$simulated" = 0 ]; then
@@ -88,7 +89,7 @@ section "python -m shim usage $region"
 section "/metrics of mpsd run: the slice from the shim's accounting of <stateDir>/exec/*/region"
 metrics() {
     local all
-    all=$(get metrics)
+    all=$(get metrics) || true
     grep -E '^(mpsd_region_|mpsd_client_memory_bytes)' <<<"$all" || true
     grep -E '^(mpsd_mps_(servers|clients)\{|mpsd_daemon_up|mpsd_daemon_restarts_total|mpsd_config_generation)' <<<"$all" || true
 }
@@ -102,5 +103,8 @@ section "SIGTERM to client A, then to mpsd"
 kill -TERM $holder
 wait $holder || true
 kill -TERM $pid
-wait $pid && echo "mpsd exited 0; control daemon left running: $(pgrep -f "$work/pipe" >/dev/null && echo yes || echo no)"
+rc=0
+wait $pid || rc=$?
 trap 'rm -rf "$work"' EXIT
+echo "mpsd exited $rc; control daemon left running: $(pgrep -f "$work/pipe" >/dev/null && echo yes || echo no)"
+[ "$rc" = 0 ]
