@@ -176,8 +176,11 @@ class InventoryPump:
     must never wait on it. Requests coalesce: a refresh reads the latest state. Memory
     series cover every GPU; indices and device health only the managed ones."""
 
-    def __init__(self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None) -> None:
+    def __init__(
+        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None
+    ) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
+        self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
         self._visible_devices = visible_devices
         self._cond = threading.Condition()
         self._pending = self._closed = False
@@ -211,6 +214,8 @@ class InventoryPump:
             self.refresh()
 
     def refresh(self) -> None:
+        if self._metrics is not None and self._regions is not None:
+            self._metrics.set_regions(self._regions())
         if self._inventory is None:
             return
         try:
@@ -242,6 +247,7 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
                 servers=len(status.servers),
                 config_generation=status.config_generation,
             )
+            metrics.set_faulted_servers(sum(state == "FAULT" for state in status.server_states.values()))
         pump.request()  # also when down: the device health series follows the board
 
     return observe
@@ -249,6 +255,7 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
 
 def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start."""
+    from .exec_regions import ExecRegions
     from .supervisor import Supervisor  # it imports DaemonProcess from here
 
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
@@ -262,7 +269,8 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
         from .metrics import Metrics, serve
 
         metrics = Metrics()
-    pump = InventoryPump(inventory, metrics, board, config.visible_devices)
+    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config))
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
     pump.refresh()  # the GPU indices, before any health check needs them
     supervisor = Supervisor(
         config,
