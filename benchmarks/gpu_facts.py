@@ -84,7 +84,9 @@ def nvidia_smi() -> dict[str, Any]:
     rc2, query = _run([smi, f"--query-gpu={fields}", "--format=csv,noheader"])
     out: dict[str, Any] = {"path": smi, "list": listing.splitlines() if rc == 0 else [], "query": []}
     if rc2 == 0:
-        out["query"] = [dict(zip(fields.split(","), (v.strip() for v in line.split(",")))) for line in query.splitlines()]
+        out["query"] = [
+            dict(zip(fields.split(","), (v.strip() for v in line.split(",")))) for line in query.splitlines()
+        ]
     if rc != 0 or rc2 != 0:
         out["error"] = (listing if rc != 0 else query).splitlines()[-1:] or ["no output"]
     return out
@@ -111,8 +113,13 @@ def nvml() -> dict[str, Any]:
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            dev = {"index": i, "name": _text(pynvml.nvmlDeviceGetName(h)), "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
-                   "total": int(mem.total), "used": int(mem.used)}
+            dev = {
+                "index": i,
+                "name": _text(pynvml.nvmlDeviceGetName(h)),
+                "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
+                "total": int(mem.total),
+                "used": int(mem.used),
+            }
             try:
                 dev["compute_capability"] = ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h)))
             except pynvml.NVMLError:
@@ -162,8 +169,13 @@ def mps_binaries(control_arg: str | None, driver: str | None) -> dict[str, Any]:
 
 def collect(control_arg: str | None = None) -> dict[str, Any]:
     facts: dict[str, Any] = {
-        "host": {"kernel": platform.release(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                 "python": platform.python_version(), "executable": sys.executable},
+        "host": {
+            "kernel": platform.release(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "executable": sys.executable,
+        },
         "nvidia_smi": nvidia_smi(),
         "nvml": nvml(),
         "torch": torch_info(),

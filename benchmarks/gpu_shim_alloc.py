@@ -53,8 +53,19 @@ def build(work: Path, driver: str) -> tuple[Path, Path, dict[str, str]]:
     subprocess.run(["make", "-s", "-C", str(REPO / "csrc"), f"OUT={shim}", "lib"], check=True)
     exe = work / "shim_alloc"
     subprocess.run(
-        ["cc", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", str(REPO / "benchmarks" / "shim_alloc.c"),
-         "-o", str(exe), str(lib), "-lpthread"],
+        [
+            "cc",
+            "-O2",
+            "-std=gnu11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            str(REPO / "benchmarks" / "shim_alloc.c"),
+            "-o",
+            str(exe),
+            str(lib),
+            "-lpthread",
+        ],
         check=True,
     )
     return exe, shim, env
@@ -65,8 +76,14 @@ def parse(line: str) -> dict[str, float]:
 
 
 def run_once(exe: Path, env: dict[str, str], threads: int, pairs: int, size: int) -> dict[str, float]:
-    out = subprocess.run([str(exe), str(threads), str(pairs), str(size)], env=env, check=True,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(exe), str(threads), str(pairs), str(size)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     result = parse(out.stdout.strip().splitlines()[-1])
     if result.get("refused"):
         raise RuntimeError(f"{result['refused']:.0f} allocations were refused: is the GPU busy or the cap too small?")
@@ -83,8 +100,12 @@ def measure(driver: str, pairs: int, rounds: int, threads: list[int], sizes: lis
     with tempfile.TemporaryDirectory(prefix="gpu-shim-alloc-") as tmp:
         work = Path(tmp)
         exe, shim, bare = build(work, driver)
-        shimmed = {**bare, "LD_PRELOAD": str(shim), "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": CAP,
-                   "MPSSHIM_REGION": str(work / "region")}
+        shimmed = {
+            **bare,
+            "LD_PRELOAD": str(shim),
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": CAP,
+            "MPSSHIM_REGION": str(work / "region"),
+        }
         rows = []
         for size in sizes:
             for t in threads:
@@ -93,17 +114,37 @@ def measure(driver: str, pairs: int, rounds: int, threads: list[int], sizes: lis
                     runs["bare"].append(run_once(exe, bare, t, pairs, size))
                     runs["shim"].append(run_once(exe, shimmed, t, pairs, size))
                 rows.append({"bytes": size, "threads": t, **summarise(runs["bare"], runs["shim"])})
-    return {"driver": driver, "pairs_per_thread": pairs, "rounds": rounds, "cap": CAP, "rows": rows,
-            "command": " ".join(["benchmarks/gpu_shim_alloc.py", "--driver", driver, "--pairs", str(pairs),
-                                 "--rounds", str(rounds), "--threads", ",".join(map(str, threads)),
-                                 "--sizes", ",".join(map(str, sizes))])}
+    return {
+        "driver": driver,
+        "pairs_per_thread": pairs,
+        "rounds": rounds,
+        "cap": CAP,
+        "rows": rows,
+        "command": " ".join(
+            [
+                "benchmarks/gpu_shim_alloc.py",
+                "--driver",
+                driver,
+                "--pairs",
+                str(pairs),
+                "--rounds",
+                str(rounds),
+                "--threads",
+                ",".join(map(str, threads)),
+                "--sizes",
+                ",".join(map(str, sizes)),
+            ]
+        ),
+    }
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"{'bytes':>8} {'threads':>7} {'bare ns':>9} {'shim ns':>9} {'added ns':>9} {'ratio':>6}"]
     for r in result["rows"]:
-        lines.append(f"{r['bytes']:>8} {r['threads']:>7} {r['bare_ns']:>9.1f} {r['shim_ns']:>9.1f} "
-                     f"{r['added_ns']:>9.1f} {r['ratio']:>6.2f}")
+        lines.append(
+            f"{r['bytes']:>8} {r['threads']:>7} {r['bare_ns']:>9.1f} {r['shim_ns']:>9.1f} "
+            f"{r['added_ns']:>9.1f} {r['ratio']:>6.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -116,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4096,1048576")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
-    result = measure(args.driver, args.pairs, args.rounds, [int(t) for t in args.threads.split(",")],
-                     [int(s) for s in args.sizes.split(",")])
+    result = measure(
+        args.driver,
+        args.pairs,
+        args.rounds,
+        [int(t) for t in args.threads.split(",")],
+        [int(s) for s in args.sizes.split(",")],
+    )
     print(f"alloc+free pairs against the {args.driver} driver, {args.pairs} per thread, best of {args.rounds}")
     print(table(result))
     if args.json:

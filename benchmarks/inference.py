@@ -47,8 +47,9 @@ class Pool:
         self.procs = []
         for i in range(n):
             cmd = [*prefixes[i % len(prefixes)], sys.executable, str(CLIENT), "--serve", *client_args]
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                               env=env, cwd=REPO))
+            self.procs.append(
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+            )
         self.ready = [self._read(p, timeout=300) for p in self.procs]
 
     @staticmethod
@@ -127,15 +128,20 @@ def aggregate(mode: str, n: int, results: list[dict[str, Any]], gap: float) -> d
     else:
         wall = max(r["seconds"] for r in results)
     return {
-        "mode": mode, "clients": n, "aggregate_items_per_s": items / wall if wall else 0.0,
-        "per_client": [{k: r[k] for k in ("pid", "items_per_s", "p50_ms", "p99_ms", "peak_memory", "late_start_s")}
-                       for r in results],
+        "mode": mode,
+        "clients": n,
+        "aggregate_items_per_s": items / wall if wall else 0.0,
+        "per_client": [
+            {k: r[k] for k in ("pid", "items_per_s", "p50_ms", "p99_ms", "peak_memory", "late_start_s")}
+            for r in results
+        ],
         "engine": results[0]["engine"] if results else None,
     }
 
 
-def run_modes(pool: Pool, modes: list[str], clients: list[int], batch: int, args: argparse.Namespace,
-              sample: bool) -> list[dict[str, Any]]:
+def run_modes(
+    pool: Pool, modes: list[str], clients: list[int], batch: int, args: argparse.Namespace, sample: bool
+) -> list[dict[str, Any]]:
     rows = []
     for mode in modes:
         for n in clients:
@@ -156,8 +162,22 @@ def mpsd_node(control: str, work: Path) -> Iterator[dict[str, Any]]:
     pipe, logs, state = work / "pipe", work / "log", work / "state"
     common = ["--control-binary", control, "--pipe-dir", str(pipe), "--log-dir", str(logs), "--state-dir", str(state)]
     log = (work / "mpsd-run.log").open("w")
-    proc = subprocess.Popen([*MPSD, "run", *common, "--metrics-address", "", "--active-thread-percentage", "100",
-                             "--health-interval", "1s"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            *MPSD,
+            "run",
+            *common,
+            "--metrics-address",
+            "",
+            "--active-thread-percentage",
+            "100",
+            "--health-interval",
+            "1s",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while subprocess.run([*MPSD, "status", "--json", *common], capture_output=True, cwd=REPO).returncode != 0:
@@ -184,9 +204,14 @@ def split(node: dict[str, Any], client_args: list[str], batch: int, args: argpar
         pool.close()
     low, high = results
     ratio = high["items_per_s"] / low["items_per_s"] if low["items_per_s"] else float("inf")
-    return {"batch": batch, "items_per_s_25": low["items_per_s"], "items_per_s_75": high["items_per_s"],
-            "ratio": ratio, "target": TARGET_SPLIT_RATIO,
-            "within_target": abs(ratio - TARGET_SPLIT_RATIO) <= TARGET_SPLIT_RATIO * SPLIT_TOLERANCE}
+    return {
+        "batch": batch,
+        "items_per_s_25": low["items_per_s"],
+        "items_per_s_75": high["items_per_s"],
+        "ratio": ratio,
+        "target": TARGET_SPLIT_RATIO,
+        "within_target": abs(ratio - TARGET_SPLIT_RATIO) <= TARGET_SPLIT_RATIO * SPLIT_TOLERANCE,
+    }
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,8 +221,16 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (model, batch, mode, n), mps in sorted(index.items()):
         ts = index.get((model, batch, "timeslice", n))
         if mode == "mps" and n in (4, 8) and ts:
-            out.append({"model": model, "batch": batch, "clients": n, "mps_over_timeslice": mps / ts,
-                        "target": TARGET_MPS_OVER_TIMESLICE, "met": mps / ts >= TARGET_MPS_OVER_TIMESLICE})
+            out.append(
+                {
+                    "model": model,
+                    "batch": batch,
+                    "clients": n,
+                    "mps_over_timeslice": mps / ts,
+                    "target": TARGET_MPS_OVER_TIMESLICE,
+                    "met": mps / ts >= TARGET_MPS_OVER_TIMESLICE,
+                }
+            )
     return out
 
 
@@ -213,8 +246,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     clients = [int(c) for c in args.clients.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     control = find_control(args.control_binary)
-    out: dict[str, Any] = {"dry_run": args.dry_run, "device": device, "size": size, "duration_s": args.duration,
-                           "control_binary": control, "rows": [], "split": None, "skipped": []}
+    out: dict[str, Any] = {
+        "dry_run": args.dry_run,
+        "device": device,
+        "size": size,
+        "duration_s": args.duration,
+        "control_binary": control,
+        "rows": [],
+        "split": None,
+        "skipped": [],
+    }
     for model in args.models.split(","):
         client_args = ["--model", model, "--device", device, "--size", size, "--warmup", str(args.warmup)]
         print(f"{model}: plain pool of {max(clients)} clients", flush=True)
@@ -228,8 +269,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if control is None:
             out["skipped"].append(f"{model}: mps mode skipped: no nvidia-cuda-mps-control found")
             continue
-        with tempfile.TemporaryDirectory(prefix="mpsd-inference-", dir=args.work) as tmp, \
-                mpsd_node(control, Path(tmp)) as node:
+        with (
+            tempfile.TemporaryDirectory(prefix="mpsd-inference-", dir=args.work) as tmp,
+            mpsd_node(control, Path(tmp)) as node,
+        ):
             print(f"{model}: MPS pool of {max(clients)} clients under mpsd", flush=True)
             pool = Pool(max(clients), client_args, [[*node["exec"], "--"]])
             try:
@@ -260,8 +303,11 @@ def plot(result: dict[str, Any], directory: Path) -> list[str]:
     for model, batch in keys:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for mode in ("sequential", "timeslice", "mps"):
-            pts = sorted((r["clients"], r["aggregate_items_per_s"]) for r in result["rows"]
-                         if (r["model"], r["batch"], r["mode"]) == (model, batch, mode))
+            pts = sorted(
+                (r["clients"], r["aggregate_items_per_s"])
+                for r in result["rows"]
+                if (r["model"], r["batch"], r["mode"]) == (model, batch, mode)
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=mode)
         tag = " (DRY RUN, CPU)" if result["dry_run"] else ""
@@ -292,8 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, metavar="DIR")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    for name, full, tiny in (("clients", "1,2,4,8", "1,2"), ("batches", "1,8", "2"), ("duration", 1.5, 0.3),
-                             ("lead", 1.0, 0.3), ("warmup", 5, 1), ("split_batch", 32, 2)):
+    for name, full, tiny in (
+        ("clients", "1,2,4,8", "1,2"),
+        ("batches", "1,8", "2"),
+        ("duration", 1.5, 0.3),
+        ("lead", 1.0, 0.3),
+        ("warmup", 5, 1),
+        ("split_batch", 32, 2),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, tiny if dry else full)
     result = measure(args)
@@ -303,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     for t in result["targets"]:
-        print(f"target {t['model']} b{t['batch']} N={t['clients']}: MPS/time-slicing {t['mps_over_timeslice']:.2f} "
-              f"({'met' if t['met'] else 'NOT met'}, target >= {t['target']})")
+        print(
+            f"target {t['model']} b{t['batch']} N={t['clients']}: MPS/time-slicing {t['mps_over_timeslice']:.2f} "
+            f"({'met' if t['met'] else 'NOT met'}, target >= {t['target']})"
+        )
     return 0
 
 

@@ -48,7 +48,12 @@ def resnet18(torch: Any, width: int, classes: int) -> Any:
             y = self.b2(self.c2(y))
             return torch.relu(y + (x if self.down is None else self.down(x)))
 
-    layers: list[Any] = [nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    layers: list[Any] = [
+        nn.Conv2d(3, width, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+    ]
     cin = width
     for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
         layers += [Block(cin, cout, 1 if i == 0 else 2), Block(cout, cout, 1)]
@@ -143,17 +148,36 @@ def run(step: Callable[[], None], start_at: float, duration: float, warmup: int)
         now = after
     elapsed = now - t0
     latencies.sort()
-    return {"requests": len(latencies), "seconds": elapsed, "late_start_s": max(0.0, -delay),
-            "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3}
+    return {
+        "requests": len(latencies),
+        "seconds": elapsed,
+        "late_start_s": max(0.0, -delay),
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+    }
 
 
-def window(make: Step, memory: Callable[[], int], engine: str, args: argparse.Namespace,
-           batch: int, start_at: float, duration: float) -> dict[str, Any]:
+def window(
+    make: Step,
+    memory: Callable[[], int],
+    engine: str,
+    args: argparse.Namespace,
+    batch: int,
+    start_at: float,
+    duration: float,
+) -> dict[str, Any]:
     result = run(make(batch), start_at, duration, args.warmup)
-    result.update(pid=os.getpid(), engine=engine, model=args.model, batch=batch, device=args.device,
-                  items_per_s=result["requests"] * batch / result["seconds"], peak_memory=memory(),
-                  mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
-                  active_thread_percentage=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+    result.update(
+        pid=os.getpid(),
+        engine=engine,
+        model=args.model,
+        batch=batch,
+        device=args.device,
+        items_per_s=result["requests"] * batch / result["seconds"],
+        peak_memory=memory(),
+        mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        active_thread_percentage=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+    )
     return result
 
 
