@@ -85,7 +85,8 @@ def nvidia_smi() -> dict[str, Any]:
     out: dict[str, Any] = {"path": smi, "list": listing.splitlines() if rc == 0 else [], "query": []}
     if rc2 == 0:
         out["query"] = [
-            dict(zip(fields.split(","), (v.strip() for v in line.split(",")))) for line in query.splitlines()
+            dict(zip(fields.split(","), (v.strip() for v in line.split(",")), strict=False))
+            for line in query.splitlines()
         ]
     if rc != 0 or rc2 != 0:
         out["error"] = (listing if rc != 0 else query).splitlines()[-1:] or ["no output"]

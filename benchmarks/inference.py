@@ -6,7 +6,8 @@ once under MPS through mpsd; and a 25/75 active-thread split between two MPS cli
 
 Clients are benchmarks/inference_client.py processes in --serve mode, started once per pool and
 reused across windows (start-up is not measured). Modes, for each model, batch and N:
-  sequential  N clients of the plain pool, each timed alone in its own window (one after another)
+  sequential  N clients of the plain pool, each timed alone in its own turn (one after another),
+              the turns together as long as one window
   timeslice   N clients of the plain pool timed over one window, no MPS (the driver time-slices)
   mps         N clients started by `mpsd exec` under `mpsd run` (private pipe dir), one window
 Aggregate throughput = items of all clients / wall time of the mode; p50/p99 latency per client;
@@ -38,6 +39,7 @@ CLIENT = REPO / "benchmarks" / "inference_client.py"
 MPSD = [sys.executable, "-m", "mpsd"]
 TARGET_MPS_OVER_TIMESLICE = 1.5
 TARGET_SPLIT_RATIO, SPLIT_TOLERANCE = 3.0, 0.10
+MIN_SLOT = 0.1  # seconds: the shortest turn a sequential client gets
 
 
 class Pool:
@@ -115,8 +117,9 @@ class MemorySampler:
 
 def mode_plan(mode: str, n: int, batch: int, start: float, duration: float, gap: float) -> list[tuple[int, dict]]:
     """Commands for one mode: sequential = one window per client, back to back; else one shared window."""
-    if mode == "sequential":
-        return [(i, {"batch": batch, "start_at": start + i * (duration + gap), "duration": duration}) for i in range(n)]
+    if mode == "sequential":  # the same wall time as one shared window, taken in turns
+        slot = max(duration / n, MIN_SLOT)
+        return [(i, {"batch": batch, "start_at": start + i * (slot + gap), "duration": slot}) for i in range(n)]
     return [(i, {"batch": batch, "start_at": start, "duration": duration}) for i in range(n)]
 
 
@@ -309,7 +312,7 @@ def plot(result: dict[str, Any], directory: Path) -> list[str]:
                 if (r["model"], r["batch"], r["mode"]) == (model, batch, mode)
             )
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=mode)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         tag = " (DRY RUN, CPU)" if result["dry_run"] else ""
         ax.set(title=f"{model}, batch {batch}{tag}", xlabel="concurrent clients", ylabel="items/s (aggregate)")
         ax.legend()
@@ -327,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default=None, help="concurrent client counts (default 1,2,4,8; dry-run 1,2)")
     ap.add_argument("--models", default="resnet18,encoder")
     ap.add_argument("--batches", default=None, help="batch sizes (default 1,8; dry-run 2)")
-    ap.add_argument("--duration", type=float, default=None, help="seconds per window (default 1.5; dry-run 0.3)")
-    ap.add_argument("--lead", type=float, default=None, help="seconds between windows for warm-up (default 1; dry 0.3)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds per window (default 1; dry-run 0.3)")
+    ap.add_argument(
+        "--lead", type=float, default=None, help="seconds before a window for warm-up (default 0.5; dry 0.3)"
+    )
     ap.add_argument("--warmup", type=int, default=None, help="requests before each window (default 5; dry-run 1)")
     ap.add_argument("--split-model", default="resnet18")
     ap.add_argument("--split-batch", type=int, default=None, help="batch of the 25/75 split (default 32; dry-run 2)")
@@ -341,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, full, tiny in (
         ("clients", "1,2,4,8", "1,2"),
         ("batches", "1,8", "2"),
-        ("duration", 1.5, 0.3),
-        ("lead", 1.0, 0.3),
+        ("duration", 1.0, 0.3),
+        ("lead", 0.5, 0.3),
         ("warmup", 5, 1),
         ("split_batch", 32, 2),
     ):
