@@ -90,7 +90,7 @@ def _inference(inf: dict[str, Any] | None) -> list[str]:
         f"`{inf.get('command', 'benchmarks/inference.py')}`: device {inf['device']}, {inf['size']} models, "
         f"{inf['duration_s']} s windows",
         "",
-        "| model | batch | mode | clients | items/s (all) | p50 ms (worst client) | p99 ms (worst client) | GPU memory |",
+        "| model | batch | mode | clients | items/s (all) | p50 ms (worst) | p99 ms (worst) | GPU memory |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in inf["rows"]:
