@@ -38,20 +38,43 @@ DRY_LIMITS_S = {"facts": 60, "pytest": 60, "shim_alloc": 60, "inference": 90}
 FAKE_NVML = "gpu 0 GPU-face0000-0000-0000-0000-000000000000 17179869184 0 9 0 0 Fake GPU (gpu-check dry-run)\n"
 
 
+_running: list[subprocess.Popen] = []  # the step now running, for the signal handler
+
+
+def _stop_step(proc: subprocess.Popen, grace: float = 30) -> int:
+    """SIGTERM the step's process group (mpsd run then quits its daemon), SIGKILL after ``grace``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+    except ProcessLookupError:
+        return proc.wait()
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    for proc in _running:
+        _stop_step(proc)
+    raise SystemExit(128 + signum)
+
+
 def run_step(name: str, cmd: list[str], env: dict[str, str], limit: float, logs: Path) -> dict[str, Any]:
-    """Run one step (its own process group, killed at the limit); status, exit code, seconds, log tail."""
+    """Run one step (its own process group, ended at the limit); status, exit code, seconds, log tail."""
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{name}.log"
     start = time.monotonic()
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _running.append(proc)
         try:
             rc = proc.wait(timeout=limit)
             status = "ok" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+            rc = _stop_step(proc, grace=15)
             status = "timed out"
+        finally:
+            _running.remove(proc)
     seconds = time.monotonic() - start
     tail = log_path.read_text(errors="replace").splitlines()[-20:]
     detail = "" if status == "ok" else f"exit {rc} after {seconds:.0f}s (limit {limit:.0f}s), see logs/{name}.log"
@@ -211,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default=None, help="the command line to record")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
     results = check(args)
     bad = [n for n, s in results["steps"].items() if s["status"] != "ok"]
     print(f"gpu-check: results in {args.out} (summary.md, results.json); steps not ok: {', '.join(bad) or 'none'}")

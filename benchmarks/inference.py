@@ -273,7 +273,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             out["skipped"].append(f"{model}: mps mode skipped: no nvidia-cuda-mps-control found")
             continue
         with (
-            tempfile.TemporaryDirectory(prefix="mpsd-inference-", dir=args.work) as tmp,
+            tempfile.TemporaryDirectory(prefix="mps-", dir=args.work) as tmp,
             mpsd_node(control, Path(tmp)) as node,
         ):
             print(f"{model}: MPS pool of {max(clients)} clients under mpsd", flush=True)
