@@ -3,7 +3,8 @@
 # time-slicing (docs/hardware.md). Needs no network: Python packages the machine lacks come
 # from wheels in .whl/ (scripts/fetch-wheels.sh, run beforehand on a machine with network).
 #
-#   scripts/gpu-check.sh [--out DIR] [--dry-run] [--python PY] [--venv DIR] [--control-binary PATH]
+#   scripts/gpu-check.sh [--out DIR] [--dry-run] [--python PY] [--venv DIR] [--wheels DIR]
+#                        [--control-binary PATH]
 #
 # Steps: a virtual environment that reuses the machine's packages (PyTorch, JAX, CuPy, ...),
 # the missing ones from .whl/, mpsd installed from this tree (libmpsshim.so built with make);
@@ -23,13 +24,15 @@ dry=auto
 python=${GPU_CHECK_PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-$repo/.gpu-venv}
 control=""
-usage="usage: scripts/gpu-check.sh [--out DIR] [--dry-run] [--python PY] [--venv DIR] [--control-binary PATH]"
+wheels=$repo/.whl
+usage="usage: scripts/gpu-check.sh [--out DIR] [--dry-run] [--python PY] [--venv DIR] [--wheels DIR] [--control-binary PATH]"
 while [ $# -gt 0 ]; do
     case $1 in
         --out) out=${2:?--out needs a directory}; shift 2 ;;
         --dry-run) dry=yes; shift ;;
         --python) python=${2:?--python needs an interpreter}; shift 2 ;;
         --venv) venv=${2:?--venv needs a directory}; shift 2 ;;
+        --wheels) wheels=$(cd "${2:?--wheels needs a directory}" && pwd); shift 2 ;;
         --control-binary) control=${2:?--control-binary needs a path}; shift 2 ;;
         -h|--help) echo "$usage"; exit 0 ;;
         *) echo "gpu-check: unknown argument '$1'; $usage" >&2; exit 2 ;;
@@ -85,7 +88,7 @@ missing=$("$vpy" - <<'PY'
 import importlib.util
 need = {"cffi": "cffi", "yaml": "pyyaml", "psutil": "psutil", "prometheus_client": "prometheus-client",
         "grpc": "grpcio", "google.protobuf": "protobuf", "pynvml": "nvidia-ml-py", "pytest": "pytest",
-        "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "numpy": "numpy"}
+        "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "numpy": "numpy", "setuptools": "setuptools"}
 def have(mod):
     try:
         return importlib.util.find_spec(mod) is not None
@@ -96,15 +99,16 @@ PY
 )
 install_note="all Python packages were already there"
 if [ -n "$missing" ]; then
-    if compgen -G "$repo/.whl/*.whl" >/dev/null; then
-        echo "gpu-check: installing from .whl/: $missing"
-        if "$vpy" -m pip install -q --no-index --find-links "$repo/.whl" $missing; then
-            install_note="installed from .whl/: $missing"
+    if compgen -G "$wheels/*.whl" >/dev/null; then
+        echo "gpu-check: installing from $wheels: $missing"
+        # shellcheck disable=SC2086  # one word per package
+        if "$vpy" -m pip install -q --no-index --find-links "$wheels" $missing; then
+            install_note="installed from $wheels: $missing"
         else
-            install_note="pip could not install from .whl/: $missing"
+            install_note="pip could not install from $wheels: $missing"
         fi
     else
-        install_note="missing and no .whl/ (run scripts/fetch-wheels.sh where there is network): $missing"
+        install_note="missing, and no wheels in $wheels (run scripts/fetch-wheels.sh where there is network): $missing"
     fi
     echo "gpu-check: $install_note"
 fi
