@@ -162,8 +162,8 @@ def plot_shim(shim: dict[str, Any] | None, directory: Path, dry_run: bool) -> li
     labels = [f"{r['bytes'] >> 10} KiB x{r['threads']}" for r in shim["rows"]]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(labels, [r["added_ns"] for r in shim["rows"]])
-    tag = " (DRY RUN, fake driver)" if dry_run else f" ({shim['driver']} driver)"
-    ax.set(title=f"shim: ns added per alloc+free{tag}", ylabel="ns added")
+    tag = " (DRY RUN)" if dry_run else f" ({shim['driver']} driver)"
+    ax.set(title=f"shim: ns added per alloc+free pair{tag}", ylabel="ns added")
     fig.tight_layout()
     path = directory / "shim-alloc.png"
     fig.savefig(path, dpi=100)

@@ -313,6 +313,7 @@ def plot(result: dict[str, Any], directory: Path) -> list[str]:
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_xticks(sorted({r["clients"] for r in result["rows"]}))
         tag = " (DRY RUN, CPU)" if result["dry_run"] else ""
         ax.set(title=f"{model}, batch {batch}{tag}", xlabel="concurrent clients", ylabel="items/s (aggregate)")
         ax.legend()
@@ -358,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         result["plots"] = plot(result, Path(args.plot))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     for t in result["targets"]:
         print(

@@ -151,7 +151,7 @@ def run(step: Callable[[], None], start_at: float, duration: float, warmup: int)
     return {
         "requests": len(latencies),
         "seconds": elapsed,
-        "late_start_s": max(0.0, -delay),
+        "late_start_s": max(0.0, -delay) if start_at else 0.0,
         "p50_ms": percentile(latencies, 50) * 1e3,
         "p99_ms": percentile(latencies, 99) * 1e3,
     }

@@ -187,3 +187,97 @@ def _processes_naming(*paths: Path) -> list[str]:
             if any(str(p) in cmdline for p in paths):
                 found.append(f"{entry.name}: {cmdline}")
     return found
+
+
+# ---- the pure parts: formats and arithmetic
+
+
+def test_percentile_is_nearest_rank():
+    from benchmarks.inference_client import percentile
+
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_sequential_turns_take_one_window_and_do_not_overlap():
+    from benchmarks.inference import MIN_SLOT, mode_plan
+
+    plan = mode_plan("sequential", 4, 8, start=100.0, duration=2.0, gap=0.5)
+    slots = [(cmd["start_at"], cmd["start_at"] + cmd["duration"]) for _, cmd in plan]
+    assert [i for i, _ in plan] == [0, 1, 2, 3]
+    assert sum(b - a for a, b in slots) == pytest.approx(2.0)
+    assert all(slots[i][1] < slots[i + 1][0] for i in range(3))
+    assert mode_plan("sequential", 100, 1, 0.0, 1.0, 0.0)[0][1]["duration"] == MIN_SLOT
+    shared = mode_plan("timeslice", 3, 1, 5.0, 1.0, 0.5)
+    assert {(c["start_at"], c["duration"]) for _, c in shared} == {(5.0, 1.0)}
+
+
+def test_aggregate_and_targets():
+    from benchmarks.inference import aggregate, verdicts
+
+    def client(requests, seconds):
+        return {
+            "requests": requests,
+            "batch": 2,
+            "seconds": seconds,
+            "engine": "torch",
+            "pid": 1,
+            "items_per_s": requests * 2 / seconds,
+            "p50_ms": 1.0,
+            "p99_ms": 2.0,
+            "peak_memory": 0,
+            "late_start_s": 0.0,
+        }
+
+    seq = aggregate("sequential", 2, [client(10, 0.5), client(10, 0.5)], gap=0.5)
+    assert seq["aggregate_items_per_s"] == pytest.approx(40.0)  # 40 items over 1 s of turns
+    ts = aggregate("timeslice", 2, [client(10, 1.0), client(10, 0.9)], gap=0.5)
+    assert ts["aggregate_items_per_s"] == pytest.approx(40.0)  # 40 items over the longest client
+    rows = [
+        {"model": "m", "batch": 1, "mode": mode, "clients": n, "aggregate_items_per_s": v}
+        for mode, n, v in (
+            ("timeslice", 4, 100.0),
+            ("mps", 4, 150.0),
+            ("timeslice", 8, 100.0),
+            ("mps", 8, 149.0),
+            ("mps", 2, 500.0),
+        )
+    ]
+    got = {(t["clients"], t["met"]) for t in verdicts(rows)}
+    assert got == {(4, True), (8, False)}
+
+
+def test_control_binary_version_against_the_driver(tmp_path):
+    from benchmarks.gpu_facts import binary_versions, version_match
+
+    binary = tmp_path / "ctl"
+    binary.write_bytes(b"\x7fELF\0junk 1.2.3 535.261.03\0more 12.0\0")
+    assert binary_versions(binary) == ["535.261.03"]
+    assert version_match("535.261.03", ["535.261.03"]) is True
+    assert version_match("580.159.04", ["535.261.03"]) is False
+    assert version_match(None, ["535.261.03"]) is None and version_match("580.1", []) is None
+
+
+def test_junit_report_is_read(tmp_path):
+    from benchmarks.gpu_report import read_junit, render_summary
+
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.a" name="test_ok" time="1.5"/>'
+        '<testcase classname="tests.gpu.a" name="test_bad" time="0.1"><failure message="assert 1 == 2">tb</failure>'
+        '</testcase><testcase classname="tests.gpu.b" name="test_skip" time="0">'
+        '<skipped message="no NVIDIA GPU here"/></testcase></testsuite></testsuites>'
+    )
+    report = read_junit(xml)
+    assert (report["total"], report["passed"], report["failed"], report["skipped"]) == (3, 1, 1, 1)
+    assert report["cases"][1] == {
+        "name": "tests.gpu.a::test_bad",
+        "outcome": "failed",
+        "seconds": 0.1,
+        "message": "assert 1 == 2",
+    }
+    assert read_junit(tmp_path / "missing.xml")["total"] == 0
+    summary = render_summary({"dry_run": False, "tests": report, "steps": {}, "machine": ["GPU: X"]})
+    assert "DRY RUN" not in summary and "3 tests: 1 passed, 1 failed" in summary and "GPU: X" in summary
