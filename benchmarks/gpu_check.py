@@ -33,8 +33,13 @@ from benchmarks.gpu_facts import describe  # noqa: E402
 from benchmarks.gpu_report import plot_shim, read_junit, render_summary  # noqa: E402
 from tests.fakes import build_fakes  # noqa: E402
 
-LIMITS_S = {"facts": 180, "pytest": 240, "shim_alloc": 60, "inference": 240}  # GPU mode, about 8 minutes at most
+# Seconds per step. On a GPU: 60 + 330 + 170 = 560 s at most, plus the install (~30 s): under the
+# 10 minutes a lent machine gives one command. The shim's overhead on a GPU is measured by its test
+# in tests/gpu (recorded), not a second time.
+LIMITS_S = {"facts": 60, "pytest": 330, "inference": 170}
 DRY_LIMITS_S = {"facts": 60, "pytest": 60, "shim_alloc": 60, "inference": 90}
+PER_TEST_TIMEOUT_S = 120
+SHIM_RECORD = "test_shim_overhead_against_the_real_driver"
 FAKE_NVML = "gpu 0 GPU-face0000-0000-0000-0000-000000000000 17179869184 0 9 0 0 Fake GPU (gpu-check dry-run)\n"
 
 
@@ -147,20 +152,56 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         print(f"gpu-check: {line}", flush=True)
 
     junit = out / "pytest-gpu.xml"
-    pytest_cmd = [py, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-q", "-rA", f"--junitxml={junit}"]
+    pytest_cmd = [
+        py,
+        "-m",
+        "pytest",
+        "tests/gpu",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rA",
+        f"--junitxml={junit}",
+        "-o",
+        f"timeout={PER_TEST_TIMEOUT_S}",
+    ]
     results["steps"]["pytest"] = run_step("pytest", pytest_cmd, env, limits["pytest"], logs)
     (out / "pytest-gpu.log").write_text((logs / "pytest.log").read_text())
     results["tests"] = read_junit(junit)
     results["records"] = read_records(records)
 
-    shim_json = out / "shim_alloc.json"
-    shim_cmd = [py, "benchmarks/gpu_shim_alloc.py", "--json", str(shim_json)]
-    shim_cmd += ["--driver", "fake", "--pairs", "2000", "--rounds", "1"] if args.dry_run else ["--driver", "real"]
-    results["steps"]["shim_alloc"] = run_step("shim_alloc", shim_cmd, tool_env, limits["shim_alloc"], logs)
-    results["benchmarks"]["shim_alloc"] = load_json(shim_json)
+    if args.dry_run:  # the shim against the fake driver, as its GPU test would against the real one
+        shim_json = out / "shim_alloc.json"
+        shim_cmd = [
+            py,
+            "benchmarks/gpu_shim_alloc.py",
+            "--json",
+            str(shim_json),
+            "--driver",
+            "fake",
+            "--pairs",
+            "2000",
+            "--rounds",
+            "1",
+        ]
+        results["steps"]["shim_alloc"] = run_step("shim_alloc", shim_cmd, tool_env, limits["shim_alloc"], logs)
+        results["benchmarks"]["shim_alloc"] = load_json(shim_json)
+    else:
+        results["benchmarks"]["shim_alloc"] = results["records"].get(SHIM_RECORD)
 
     inf_json = out / "inference.json"
-    inf_cmd = [py, "benchmarks/inference.py", "--json", str(inf_json), "--plot", str(out), "--work", str(work)]
+    inf_cmd = [
+        py,
+        "benchmarks/inference.py",
+        "--json",
+        str(inf_json),
+        "--plot",
+        str(out),
+        "--work",
+        str(work),
+        "--budget",
+        str(limits["inference"] - 40),
+    ]
     inf_cmd += ["--dry-run"] if args.dry_run else []
     results["steps"]["inference"] = run_step("inference", inf_cmd + control, env, limits["inference"], logs)
     results["benchmarks"]["inference"] = load_json(inf_json)

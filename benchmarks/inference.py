@@ -2,7 +2,7 @@
 once under MPS through mpsd; and a 25/75 active-thread split between two MPS clients.
 
     python benchmarks/inference.py [--dry-run] [--clients 1,2,4,8] [--models resnet18,encoder]
-        [--batches 1,8] [--duration 1.5] [--control-binary PATH] [--json FILE] [--plot DIR]
+        [--batches 1,8] [--duration 1] [--budget S] [--control-binary PATH] [--json FILE] [--plot DIR]
 
 Clients are benchmarks/inference_client.py processes in --serve mode, started once per pool and
 reused across windows (start-up is not measured). Modes, for each model, batch and N:
@@ -249,6 +249,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     clients = [int(c) for c in args.clients.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     control = find_control(args.control_binary)
+    deadline = time.monotonic() + args.budget if args.budget is not None else float("inf")
     out: dict[str, Any] = {
         "dry_run": args.dry_run,
         "device": device,
@@ -258,19 +259,35 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
         "split": None,
         "skipped": [],
+        "targets": [],
     }
+
+    def time_left(what: str) -> bool:
+        """False (and noted) once the budget is spent; the figures so far are saved either way."""
+        out["targets"] = verdicts(out["rows"])
+        save(out, args.json)
+        if time.monotonic() < deadline:
+            return True
+        out["skipped"].append(f"{what}: skipped, the {args.budget:g}s budget was spent")
+        return False
+
     for model in args.models.split(","):
+        if not time_left(model):
+            continue
         client_args = ["--model", model, "--device", device, "--size", size, "--warmup", str(args.warmup)]
         print(f"{model}: plain pool of {max(clients)} clients", flush=True)
         pool = Pool(max(clients), client_args, [[]])
         try:
             for batch in batches:
-                for row in run_modes(pool, ["sequential", "timeslice"], clients, batch, args, not args.dry_run):
-                    out["rows"].append({"model": model, "batch": batch, **row})
+                if time_left(f"{model} batch {batch} sequential/timeslice"):
+                    for row in run_modes(pool, ["sequential", "timeslice"], clients, batch, args, not args.dry_run):
+                        out["rows"].append({"model": model, "batch": batch, **row})
         finally:
             pool.close()
         if control is None:
             out["skipped"].append(f"{model}: mps mode skipped: no nvidia-cuda-mps-control found")
+            continue
+        if not time_left(f"{model} mps"):
             continue
         with (
             tempfile.TemporaryDirectory(prefix="mps-", dir=args.work) as tmp,
@@ -280,15 +297,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             pool = Pool(max(clients), client_args, [[*node["exec"], "--"]])
             try:
                 for batch in batches:
-                    for row in run_modes(pool, ["mps"], clients, batch, args, not args.dry_run):
-                        out["rows"].append({"model": model, "batch": batch, **row})
+                    if time_left(f"{model} batch {batch} mps"):
+                        for row in run_modes(pool, ["mps"], clients, batch, args, not args.dry_run):
+                            out["rows"].append({"model": model, "batch": batch, **row})
             finally:
                 pool.close()
-            if model == args.split_model:
+            if model == args.split_model and time_left("25/75 split"):
                 out["split"] = {"model": model, **split(node, client_args, args.split_batch, args)}
                 print(f"  split 25/75 batch={args.split_batch}: ratio {out['split']['ratio']:.2f}", flush=True)
     out["targets"] = verdicts(out["rows"])
     return out
+
+
+def save(result: dict[str, Any], path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def plot(result: dict[str, Any], directory: Path) -> list[str]:
@@ -338,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="requests before each window (default 5; dry-run 1)")
     ap.add_argument("--split-model", default="resnet18")
     ap.add_argument("--split-batch", type=int, default=None, help="batch of the 25/75 split (default 32; dry-run 2)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds; parts not started by then are skipped")
     ap.add_argument("--control-binary", default=None)
     ap.add_argument("--work", default=None, help="directory for the temporary pipe dirs (default: system temp)")
     ap.add_argument("--json", default=None, metavar="FILE")
@@ -358,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = "benchmarks/inference.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.plot:
         result["plots"] = plot(result, Path(args.plot))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    save(result, args.json)
     for t in result["targets"]:
         print(
             f"target {t['model']} b{t['batch']} N={t['clients']}: MPS/time-slicing {t['mps_over_timeslice']:.2f} "

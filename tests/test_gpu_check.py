@@ -281,3 +281,22 @@ def test_junit_report_is_read(tmp_path):
     assert read_junit(tmp_path / "missing.xml")["total"] == 0
     summary = render_summary({"dry_run": False, "tests": report, "steps": {}, "machine": ["GPU: X"]})
     assert "DRY RUN" not in summary and "3 tests: 1 passed, 1 failed" in summary and "GPU: X" in summary
+
+
+def test_inference_budget_skips_what_it_cannot_start(tmp_path):
+    out = tmp_path / "inf.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/inference.py", "--dry-run", "--budget", "0", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and result["split"] is None
+    assert result["skipped"] == [
+        "resnet18: skipped, the 0s budget was spent",
+        "encoder: skipped, the 0s budget was spent",
+    ]

@@ -18,7 +18,7 @@ def test_shim_overhead_against_the_real_driver(tmp_path, record):
         "--driver",
         "real",
         "--pairs",
-        "5000",
+        "3000",
         "--rounds",
         "3",
         "--threads",
