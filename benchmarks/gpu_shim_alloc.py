@@ -54,7 +54,7 @@ def build(work: Path, driver: str) -> tuple[Path, Path, dict[str, str]]:
     exe = work / "shim_alloc"
     subprocess.run(
         [
-            "cc",
+            os.environ.get("CC", "cc"),
             "-O2",
             "-std=gnu11",
             "-Wall",

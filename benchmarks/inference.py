@@ -9,7 +9,8 @@ reused across windows (start-up is not measured). Modes, for each model, batch a
   sequential  N clients of the plain pool, each timed alone in its own turn (one after another),
               the turns together as long as one window
   timeslice   N clients of the plain pool timed over one window, no MPS (the driver time-slices)
-  mps         N clients started by `mpsd exec` under `mpsd run` (private pipe dir), one window
+  mps         N clients started by `mpsd exec --no-shim` under `mpsd run` (private pipe dir), one
+              window (no shim in any mode: its cost is measured apart, benchmarks/gpu_shim_alloc.py)
 Aggregate throughput = items of all clients / wall time of the mode; p50/p99 latency per client;
 GPU memory = the most NVML reported used on device 0 during the mode's windows, plus each
 client's own peak (torch.cuda.max_memory_reserved). The split runs two MPS clients started with
@@ -199,7 +200,7 @@ def mpsd_node(control: str, work: Path) -> Iterator[dict[str, Any]]:
 
 
 def split(node: dict[str, Any], client_args: list[str], batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    prefixes = [[*node["exec"], "--gpu-compute", pct, "--"] for pct in ("25", "75")]
+    prefixes = [[*node["exec"], "--no-shim", "--gpu-compute", pct, "--"] for pct in ("25", "75")]
     pool = Pool(2, client_args, prefixes)
     try:
         results = pool.windows(mode_plan("split", 2, batch, time.time() + args.lead, args.duration, 0), timeout=300)
@@ -294,7 +295,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             mpsd_node(control, Path(tmp)) as node,
         ):
             print(f"{model}: MPS pool of {max(clients)} clients under mpsd", flush=True)
-            pool = Pool(max(clients), client_args, [[*node["exec"], "--"]])
+            pool = Pool(max(clients), client_args, [[*node["exec"], "--no-shim", "--"]])
             try:
                 for batch in batches:
                     if time_left(f"{model} batch {batch} mps"):

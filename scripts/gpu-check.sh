@@ -60,6 +60,12 @@ if [ -z "$control" ]; then
     if [ -z "$control" ] && [ "$dry" = yes ] && [ -x "$cached" ]; then control=$cached; fi
 fi
 
+if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
+    if command -v gcc >/dev/null 2>&1; then export CC=gcc; else
+        echo "gpu-check: no C compiler (cc or gcc) on PATH: libmpsshim.so cannot be built" >&2; exit 1
+    fi
+fi
+
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 chmod 711 "$work"
 cleanup() {
