@@ -126,7 +126,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     records.mkdir(parents=True, exist_ok=True)
     limits = DRY_LIMITS_S if args.dry_run else LIMITS_S
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "MPSSHIM_")) and k != "LD_PRELOAD"}
-    env = {**base, "PYTHONUNBUFFERED": "1", "GPU_CHECK_RECORDS": str(records)}
+    env = {**base, "PYTHONUNBUFFERED": "1", "GPU_CHECK_RECORDS": str(records), "GPU_CHECK_WORK": str(work)}
     tool_env = {**env, **dry_env(work)} if args.dry_run else env
     control = ["--control-binary", args.control_binary] if args.control_binary else []
     py = sys.executable

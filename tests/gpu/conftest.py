@@ -185,7 +185,8 @@ def node(request):
 
 
 def tempfile_short() -> str:
-    """A new directory under /tmp: the pipe dir's socket path must stay under 108 bytes."""
+    """A new directory under /tmp (or gpu-check's scratch directory, whose trap then also quits
+    its daemons): the pipe dir's socket path must stay under 108 bytes."""
     import tempfile
 
-    return tempfile.mkdtemp(prefix="mpsd-gpu-", dir="/tmp")
+    return tempfile.mkdtemp(prefix="mpsd-gpu-", dir=os.environ.get("GPU_CHECK_WORK", "/tmp"))
