@@ -131,6 +131,11 @@ def render_summary(results: dict[str, Any]) -> str:
         "",
     ]
     lines += [f"- {line}" for line in results.get("machine", [])]
+    install = results.get("install") or {}
+    if install:
+        lines.append(
+            f"- install ({install.get('seconds', '?')} s): {install.get('packages')}; {install.get('project')}"
+        )
     lines += ["", "## Steps", ""] + _steps(results)
     lines += ["", "## tests/gpu", ""] + _tests(results.get("tests", {}))
     records = results.get("records", {})
