@@ -109,7 +109,19 @@ def test_limits_round_trip(limits):
     assert parse_limits(format_limits(limits)) == limits
 
 
-@pytest.mark.parametrize("text, ok", [("0", True), ("0123", True), ("", False), ("\u00b2", False), ("\u0663", False), ("-1", False), ("1.0", False), (7, False)])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("0", True),
+        ("0123", True),
+        ("", False),
+        ("\u00b2", False),
+        ("\u0663", False),
+        ("-1", False),
+        ("1.0", False),
+        (7, False),
+    ],
+)
 def test_is_decimal_takes_ascii_digits_only(text, ok):
     assert is_decimal(text) is ok
 
