@@ -53,7 +53,7 @@ def load(path: str) -> Any:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = one_line(exc.problem or exc.context or "malformed")
+        problem = _cut(one_line(exc.problem or exc.context or "malformed"))
         raise ConfigError(f"{name}: not valid YAML{where}: {problem}") from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
         line = text.count("\n", 0, exc.position) + 1
@@ -61,7 +61,12 @@ def load(path: str) -> Any:
             f"{name}: not valid YAML at line {line}: character U+{exc.character:04X} not allowed"
         ) from None
     except (yaml.YAMLError, RecursionError) as exc:  # neither should happen within the bounds above
-        raise ConfigError(f"{name}: not valid YAML: {type(exc).__name__}: {one_line(exc)}") from None
+        raise ConfigError(f"{name}: not valid YAML: {type(exc).__name__}: {_cut(one_line(exc))}") from None
+
+
+def _cut(problem: str, limit: int = 200) -> str:
+    """PyYAML quotes the offending text (a tag, a token): one of thousands of characters too."""
+    return problem if len(problem) <= limit else f"{problem[:limit]}... ({len(problem)} characters)"
 
 
 def display(path: str) -> str:
