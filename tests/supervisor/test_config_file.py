@@ -174,6 +174,10 @@ def test_limits_leave_room_for_any_real_config(tmp_path):
     assert len(body) <= yamlfile.MAX_FILE_BYTES
     c = cfg.load(path, {}, {})
     assert c.pinned_mem_limit == {0: 2 << 30} and c.visible_devices == "0,1" and c.device_plugin.slices_per_gpu == 4
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(b"\xef\xbb\xbf" + V1 + b"logLevel: debug\n")
+    (tmp_path / "mounted.yaml").symlink_to(bom)  # a ConfigMap's files are symlinks
+    assert cfg.load(str(tmp_path / "mounted.yaml"), {}, {}).log_level == "debug"
     merged = V1 + b"x: &d {enabled: true}\ndevicePlugin:\n  <<: *d\n  slicesPerGpu: 3\n"
     with pytest.raises(ConfigError, match="x: unknown key"):  # merge keys work; the anchor holder is unknown
         cfg.load(write(tmp_path, "merge", merged), {}, {})

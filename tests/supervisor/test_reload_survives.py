@@ -68,7 +68,15 @@ def wait_until(predicate, proc: subprocess.Popen, out: Output, what: str, timeou
 
 
 def control_daemons(pid: int) -> list[int]:
-    return [c.pid for c in psutil.Process(pid).children() if c.name().startswith("nvidia-cuda-mps")]
+    """The ``nvidia-cuda-mps-control -f`` children (not the front-ends of health checks)."""
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            if child.name().startswith("nvidia-cuda-mps") and child.cmdline()[-1:] == ["-f"]:
+                found.append(child.pid)
+        except psutil.NoSuchProcess:  # a front-end that just ended
+            pass
+    return found
 
 
 def make_bad(path: Path, case: str) -> None:
@@ -184,6 +192,7 @@ def test_an_unexpected_reload_error_keeps_the_supervisor_and_daemon(make_config,
     state = r.wait_for(lambda s: "reload failed" in s.last_error, what="reload failure")
     assert "unexpected ZeroDivisionError" in state.last_error and "\n" not in state.last_error
     assert r.thread.is_alive() and r.sup.status().pid == pid and r.sup.config is first
+    assert r.sup.status().config_generation == 1
     monkeypatch.setattr(cfg, "load", real_load)
     config_file.write_text("version: v1\nactiveThreadPercentage: 35\n")
     r.sup.reload()
