@@ -374,13 +374,17 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, SHOWN, SHOWN
 
 
-def _show(value: Any) -> str:
-    """A value for a one-line error: strings in double quotes (escaped when they hold a line
-    break or another unprintable character), everything cut short."""
+def _quote(value: Any) -> str:
+    """A setting on one line: strings in double quotes, escaped when they hold a line break."""
     if isinstance(value, str):
-        text = value[:SHOWN]
-        quoted = f'"{text}"' if text.isprintable() else repr(text)
-        return quoted if len(value) <= SHOWN else f"{quoted}... ({len(value)} characters)"
+        return f'"{value}"' if value.isprintable() else repr(value)
+    return repr(value)
+
+
+def _show(value: Any) -> str:
+    """A bad value for a one-line error: quoted as _quote does, and cut short."""
+    if isinstance(value, str):
+        return _quote(value) if len(value) <= SHOWN else f"{_quote(value[:SHOWN])}... ({len(value)} characters)"
     if isinstance(value, int) and value.bit_length() > 64:  # repr() of 4300+ digits raises
         return f"an integer of {value.bit_length()} bits"
     return _REPR.repr(value)
@@ -395,7 +399,7 @@ def format_value(config: Config, key: str) -> str:
     value = config.get(key)
     if key == "pinnedMemLimit":
         value = format_limits(value)
-    return _show(value)
+    return _quote(value)
 
 
 def changed_keys(old: Config, new: Config) -> list[str]:

@@ -181,3 +181,13 @@ def test_limits_leave_room_for_any_real_config(tmp_path):
     merged = V1 + b"x: &d {enabled: true}\ndevicePlugin:\n  <<: *d\n  slicesPerGpu: 3\n"
     with pytest.raises(ConfigError, match="x: unknown key"):  # merge keys work; the anchor holder is unknown
         cfg.load(write(tmp_path, "merge", merged), {}, {})
+
+
+def test_settings_are_printed_whole_and_on_one_line(tmp_path):
+    # Errors cut a bad value short; the resolved settings (check-config, the start log) do not.
+    long_path = "/opt/" + "x" * 100 + "/nvidia-cuda-mps-control"
+    path = write(tmp_path, "long", V1 + f'controlBinary: {long_path}\npipeDir: "/run/a\\nb"\n'.encode())
+    c = cfg.load(path, {}, {})
+    assert cfg.format_value(c, "controlBinary") == f'"{long_path}"'
+    line = cfg.describe(c)
+    assert len(line.splitlines()) == 1 and "pipeDir='/run/a\\nb'" in line
