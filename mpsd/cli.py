@@ -16,11 +16,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from . import config as cfg
 from .clientenv import client_env
-from .errors import ConfigError, MpsdError
+from .errors import ConfigError, MpsdError, one_line
 from .units import parse_limits, parse_percentage, parse_size
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,23 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> cfg.Config:
     return cfg.load(path, env, overrides)
 
 
+def reloader(args: argparse.Namespace, env: Mapping[str, str]) -> Callable[[], cfg.Config]:
+    """What SIGHUP runs: the config again from the same file, environment and flags. It fails
+    only with a one-line ConfigError, which the supervisor logs while it keeps the running
+    config and daemon: an unexpected error escaping here would end ``mpsd run`` and take the
+    control daemon, and every MPS client of the node, down with it."""
+
+    def reload() -> cfg.Config:
+        try:
+            return resolve(args, env)
+        except ConfigError as exc:
+            raise ConfigError(one_line(exc)) from exc
+        except Exception as exc:  # a bug on some input: still not a reason to stop serving
+            raise ConfigError(f"unexpected {type(exc).__name__}: {one_line(exc)[:200]}") from exc
+
+    return reload
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = build_parser().parse_args(argv)
@@ -85,17 +102,17 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args.command == "run":
             from .node import run
 
-            return run(config, reload=lambda: resolve(args, env))
+            return run(config, reload=reloader(args, env))
         if args.command == "status":
             from .status import status_main
 
             return status_main(config, as_json=args.json)
         return _exec(args, config, env)
     except ConfigError as exc:
-        print(f"mpsd: {exc}", file=sys.stderr)
+        print(f"mpsd: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except MpsdError as exc:
-        print(f"mpsd: {exc}", file=sys.stderr)
+        print(f"mpsd: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import yaml
-
+from . import yamlfile
 from .errors import ConfigError
-from .units import LIMITS_FORM, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage
+from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage
 
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -115,7 +115,7 @@ def _visible_devices(value: Any) -> str | None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
-    if isinstance(value, list):
+    if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
         value = ",".join(str(v) for v in value)
     if not isinstance(value, str) or not re.fullmatch(
         r"(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)(?:,(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+))*", value
@@ -135,7 +135,7 @@ def _address(value: Any) -> str:
         try:
             parse_address(value)
             return value
-        except ConfigError:
+        except ValueError:  # ConfigError, or int() of a port of thousands of digits
             pass
     raise ValueError('host:port such as "0.0.0.0:9400" or "[::1]:9400", port 0..65535, or "" to disable')
 
@@ -339,16 +339,10 @@ def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, objec
 
 
 def read_file(path: str) -> dict[str, Any]:
-    """The file's settings as {dotted key: raw value}; unknown keys and versions rejected."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    """The file's settings as {dotted key: raw value}; unknown keys and versions rejected.
+    Reading and parsing are bounded (mpsd.yamlfile); every failure is one ConfigError line."""
+    data = yamlfile.load(path)
+    path = yamlfile.display(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with version: {VERSION}, got {_show(data)}")
     if "version" not in data:
@@ -375,11 +369,28 @@ def _flatten(path: str, data: dict, prefix: str, out: dict[str, Any]) -> None:
             known = sorted(
                 {k.split(".")[0] if not prefix else k[len(prefix) :] for k in BY_KEY if k.startswith(prefix)}
             )
-            raise ConfigError(f"{path}: {key}: unknown key; known keys here: {', '.join(known)}")
+            shown = name if isinstance(name, str) and name.isprintable() and len(name) <= SHOWN else _show(name)
+            raise ConfigError(f"{path}: {prefix}{shown}: unknown key; known keys here: {', '.join(known)}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, SHOWN, SHOWN
+
+
+def _quote(value: Any) -> str:
+    """A setting on one line: strings in double quotes, escaped when they hold a line break."""
+    if isinstance(value, str):
+        return f'"{value}"' if value.isprintable() else repr(value)
+    return repr(value)
 
 
 def _show(value: Any) -> str:
-    return f'"{value}"' if isinstance(value, str) else repr(value)
+    """A bad value for a one-line error: quoted as _quote does, and cut short."""
+    if isinstance(value, str):
+        return _quote(value) if len(value) <= SHOWN else f"{_quote(value[:SHOWN])}... ({len(value)} characters)"
+    if isinstance(value, int) and value.bit_length() > 64:  # repr() of 4300+ digits raises
+        return f"an integer of {value.bit_length()} bits"
+    return _REPR.repr(value)
 
 
 def describe(config: Config) -> str:
@@ -391,7 +402,7 @@ def format_value(config: Config, key: str) -> str:
     value = config.get(key)
     if key == "pinnedMemLimit":
         value = format_limits(value)
-    return _show(value)
+    return _quote(value)
 
 
 def changed_keys(old: Config, new: Config) -> list[str]:

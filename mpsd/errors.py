@@ -38,3 +38,9 @@ class InventoryError(MpsdError):
 
 class PluginError(MpsdError):
     """The kubelet device plugin could not register, serve or allocate."""
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace, line breaks included (those str.splitlines()
+    knows: \\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, U+2028, U+2029), made one space."""
+    return " ".join(str(text).split())

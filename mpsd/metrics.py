@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from mpsd.errors import ConfigError, SetupError
 
 if TYPE_CHECKING:
+    from mpsd.exec_regions import RegionUsage
     from mpsd.inventory import Client, Gpu
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,28 @@ class Metrics:
             registry=r,
         )
 
+        self.mps_servers_faulted = Gauge(
+            "mpsd_mps_servers_faulted", "MPS servers in FAULT at the last health check", registry=r
+        )
+        self.region_cap = Gauge(
+            "mpsd_region_memory_cap_bytes",
+            "Memory cap of one device of an mpsd exec region (shim accounting)",
+            ["region", "device"],
+            registry=r,
+        )
+        self.region_used = Gauge(
+            "mpsd_region_memory_used_bytes",
+            "Device memory held by the processes of an mpsd exec region (shim accounting)",
+            ["region", "device"],
+            registry=r,
+        )
+        self.region_process = Gauge(
+            "mpsd_region_process_memory_bytes",
+            "Device memory held by one live process of an mpsd exec region (shim accounting)",
+            ["region", "device", "pid"],
+            registry=r,
+        )
+
     # -- supervisor --------------------------------------------------------------------
 
     def set_daemon_up(self, up: bool) -> None:
@@ -138,6 +161,9 @@ class Metrics:
 
     def set_config_generation(self, generation: int) -> None:
         self.config_generation.set(generation)
+
+    def set_faulted_servers(self, count: int) -> None:
+        self.mps_servers_faulted.set(count)
 
     def set_mps_servers(self, per_gpu: Mapping[int | str, int]) -> None:
         with self._lock:
@@ -229,6 +255,24 @@ class Metrics:
         with self._lock:
             self._replace(self.allocation_limit, limits)
             self._replace(self.allocation_used, used)
+
+    # -- mpsd exec regions ---------------------------------------------------------------
+
+    def set_regions(self, rows: Iterable[RegionUsage]) -> None:
+        """The regions of mpsd exec (mpsd.exec_regions) as read now; replaces the last set."""
+        cap: dict[tuple[str, ...], float] = {}
+        used: dict[tuple[str, ...], float] = {}
+        per_process: dict[tuple[str, ...], float] = {}
+        for row in rows:
+            key = (row.region, str(row.device))
+            cap[key] = float(row.cap_bytes)
+            used[key] = float(row.used_bytes)
+            for pid, nbytes in row.processes:
+                per_process[(*key, str(pid))] = float(nbytes)
+        with self._lock:
+            self._replace(self.region_cap, cap)
+            self._replace(self.region_used, used)
+            self._replace(self.region_process, per_process)
 
     def _replace(self, gauge: Gauge, values: Mapping[tuple[str, ...], float]) -> None:
         """Set every label set in ``values`` and remove the ones set last time but not now

@@ -13,6 +13,7 @@ from typing import Callable
 from . import config as cfg
 from . import dirs
 from .errors import InventoryError, MpsdError, PluginError
+from .exec_regions import ExecRegions
 from .health import HealthBoard
 from .supervisor import Status, Supervisor
 
@@ -62,8 +63,11 @@ class InventoryPump:
     must never wait on it. Requests coalesce: a refresh reads the latest state. Memory
     series cover every GPU; indices and device health only the managed ones."""
 
-    def __init__(self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None) -> None:
+    def __init__(
+        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None
+    ) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
+        self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
         self._visible_devices = visible_devices
         self._cond = threading.Condition()
         self._pending = self._closed = False
@@ -97,6 +101,8 @@ class InventoryPump:
             self.refresh()
 
     def refresh(self) -> None:
+        if self._metrics is not None and self._regions is not None:
+            self._metrics.set_regions(self._regions())
         if self._inventory is None:
             return
         try:
@@ -128,6 +134,7 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
                 servers=len(status.servers),
                 config_generation=status.config_generation,
             )
+            metrics.set_faulted_servers(sum(state == "FAULT" for state in status.server_states.values()))
             metrics.set_fault_terminations(status.fault_terminations)
         pump.request()  # also when down: the device health series follows the board
 
@@ -157,7 +164,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         from .metrics import Metrics, serve
 
         metrics = Metrics()
-    pump = InventoryPump(inventory, metrics, board, config.visible_devices)
+    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config))
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
     pump.refresh()  # the GPU indices, before any health check needs them
     supervisor = Supervisor(
         config,

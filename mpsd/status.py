@@ -86,6 +86,9 @@ def render_status(data: dict[str, Any]) -> str:
             f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB"
         )
     lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
+    if not data["clients"]:
+        lines.append("clients: none")
+        return "\n".join(lines)
     lines.append(f"{'PID':>8} {'SERVER':>8} {'DEVICE':<24} {'MEMORY':>10}  COMMAND")
     for c in data["clients"]:
         mem = "-" if c.get("usedMemory") is None else f"{c['usedMemory'] >> 20}M"

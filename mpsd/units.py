@@ -7,13 +7,14 @@ Grammar shared with the C parser in csrc/limits.c (tests compare the two):
     limits := key "=" size ("," key "=" size)*
 
 No whitespace inside, no duplicate keys, no value above 2**64 - 1, ordinals below 64 (ASCII
-digits only), at most 64 entries, UUIDs of at most 95 characters.
+digits only), at most 64 entries, UUIDs of at most 95 characters. Leading zeros are allowed in
+any number (the C parser saturates); digits are counted without them, never handed to int() in
+thousands (Python refuses more than 4300 digits with a ValueError).
 An empty string means "no limits".
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 from .errors import ConfigError
@@ -23,20 +24,34 @@ MAX_BYTES = (1 << 64) - 1
 MAX_ORDINAL = 63
 MAX_ENTRIES = 64  # the C parser's table size (csrc/limits.h MS_MAX_DEVICES)
 MAX_UUID_LEN = 95  # csrc/limits.h MS_UUID_MAX less the NUL
+MAX_DIGITS = 20  # 2**64 - 1 has 20 digits
+SHOWN = 60  # characters of a bad value quoted in an error
 _SIZE = re.compile(r"([0-9]+)(?:([KMGTkmgt])[Bb]?)?")
 _UUID = re.compile(r"(?:GPU|MIG)-[A-Za-z0-9/_-]+")
 SIZE_FORM = "a byte count with an optional K, M, G or T suffix (e.g. 512M, 4G)"
 LIMITS_FORM = "DEVICE=SIZE[,DEVICE=SIZE...] with DEVICE an ordinal or GPU UUID (e.g. 0=4G,1=512M)"
 
 
+def shown(text: str) -> str:
+    """``text`` quoted for an error message, cut to its first SHOWN characters."""
+    return repr(text) if len(text) <= SHOWN else f"{text[:SHOWN]!r}... ({len(text)} characters)"
+
+
+def _significant(digits: str) -> str:
+    return digits.lstrip("0") or "0"
+
+
 def parse_size(text: str) -> int:
     """Bytes in ``text`` ("4G", "512M", "1024"); ConfigError names the text otherwise."""
     m = _SIZE.fullmatch(text)
     if m is None:
-        raise ConfigError(f"bad size {text!r}: expected {SIZE_FORM}")
-    value = int(m.group(1)) * UNITS[(m.group(2) or "").upper()]
+        raise ConfigError(f"bad size {shown(text)}: expected {SIZE_FORM}")
+    digits = _significant(m.group(1))
+    if len(digits) > MAX_DIGITS:
+        raise ConfigError(f"bad size {shown(text)}: larger than 2**64-1 bytes")
+    value = int(digits) * UNITS[(m.group(2) or "").upper()]
     if value > MAX_BYTES:
-        raise ConfigError(f"bad size {text!r}: larger than 2**64-1 bytes")
+        raise ConfigError(f"bad size {shown(text)}: larger than 2**64-1 bytes")
     return value
 
 
@@ -59,22 +74,28 @@ def format_size_mps_control(nbytes: int) -> str:
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
 
 
-def is_decimal(text: object) -> bool:
-    """ASCII digits only: str.isdigit() also takes "²" (int() fails) and "٣" (int() says 3)."""
+def _all_digits(text: object) -> bool:
     return isinstance(text, str) and text.isascii() and text.isdigit()
 
 
+def is_decimal(text: object) -> bool:
+    """ASCII digits only, at most MAX_DIGITS of them, so that int() of it is exact and cheap:
+    str.isdigit() also takes "²" (int() fails) and "٣" (int() says 3), and int() of more than
+    4300 digits raises ValueError."""
+    return _all_digits(text) and len(text) <= MAX_DIGITS  # type: ignore[arg-type]
+
+
 def parse_device_key(text: str) -> int | str:
-    if is_decimal(text):
-        ordinal = int(text)
-        if ordinal > MAX_ORDINAL:
-            raise ConfigError(f"bad device {text!r}: ordinals run from 0 to {MAX_ORDINAL}")
-        return ordinal
+    if _all_digits(text):
+        digits = _significant(text)
+        if len(digits) > len(str(MAX_ORDINAL)) or int(digits) > MAX_ORDINAL:
+            raise ConfigError(f"bad device {shown(text)}: ordinals run from 0 to {MAX_ORDINAL}")
+        return int(digits)
     if _UUID.fullmatch(text):
         if len(text) > MAX_UUID_LEN:
             raise ConfigError(f"bad device {text[:40]!r}...: a UUID has at most {MAX_UUID_LEN} characters")
         return text
-    raise ConfigError(f"bad device {text!r}: expected an ordinal (0, 1, ...) or a GPU UUID (GPU-...)")
+    raise ConfigError(f"bad device {shown(text)}: expected an ordinal (0, 1, ...) or a GPU UUID (GPU-...)")
 
 
 def parse_limits(text: str) -> dict[int | str, int]:
@@ -84,18 +105,18 @@ def parse_limits(text: str) -> dict[int | str, int]:
     limits: dict[int | str, int] = {}
     entries = text.split(",")
     if len(entries) > MAX_ENTRIES:
-        raise ConfigError(f"bad limits {text[:60]!r}...: at most {MAX_ENTRIES} devices")
+        raise ConfigError(f"bad limits {shown(text)}: at most {MAX_ENTRIES} devices")
     for entry in entries:
         key, sep, size = entry.partition("=")
         if not sep:
-            raise ConfigError(f"bad limit {entry!r} in {text!r}: expected {LIMITS_FORM}")
+            raise ConfigError(f"bad limit {shown(entry)} in {shown(text)}: expected {LIMITS_FORM}")
         device = parse_device_key(key)
         if device in limits:
-            raise ConfigError(f"bad limits {text!r}: device {key} given twice")
+            raise ConfigError(f"bad limits {shown(text)}: device {shown(key)} given twice")
         try:
             limits[device] = parse_size(size)
         except ConfigError as exc:
-            raise ConfigError(f"bad limits {text!r}: {exc}") from None
+            raise ConfigError(f"bad limits {shown(text)}: {exc}") from None
     return limits
 
 
@@ -107,13 +128,21 @@ def format_limits(limits: dict[int | str, int]) -> str:
 
 def parse_percentage(text: str | float | int) -> float:
     """An active thread percentage in (0, 100]."""
+    bad = f"bad active thread percentage {shown(text) if isinstance(text, str) else _number(text)}"
     try:
         value = float(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"bad active thread percentage {text!r}: expected a number in (0, 100]") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond 1e308
+        raise ConfigError(f"{bad}: expected a number in (0, 100]") from None
     if not 0.0 < value <= 100.0:
-        raise ConfigError(f"bad active thread percentage {text!r}: expected a number in (0, 100]")
+        raise ConfigError(f"{bad}: expected a number in (0, 100]")
     return value
+
+
+def _number(value: object) -> str:
+    """repr() of a number, which for an int of more than 4300 digits raises ValueError."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    return repr(value)
 
 
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m)?")
@@ -121,12 +150,14 @@ _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m)?")
 
 def parse_duration(text: str | float | int) -> float:
     """Seconds in ``"500ms"``, ``"2s"``, ``"1m"`` or a bare number of seconds."""
+    accepted = "expected a non-negative number of seconds or 500ms, 2s, 1m"
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not 0 <= text < math.inf:  # YAML's .nan and .inf too: timers could not be set from them
-            raise ConfigError(f"bad duration {text!r}: expected a non-negative number of seconds or 500ms, 2s, 1m")
+        # YAML's .nan and .inf too: timers could not be set from them; float() of a huge int overflows
+        if not 0 <= text < 1e300:
+            raise ConfigError(f"bad duration {_number(text)}: {accepted}")
         return float(text)
     m = _DURATION.fullmatch(str(text))
     if m is None:
-        raise ConfigError(f"bad duration {text!r}: expected a non-negative number of seconds or 500ms, 2s, 1m")
+        raise ConfigError(f"bad duration {shown(str(text))}: {accepted}")
     scale = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
     return float(m.group(1)) * scale

@@ -109,7 +109,19 @@ def test_limits_round_trip(limits):
     assert parse_limits(format_limits(limits)) == limits
 
 
-@pytest.mark.parametrize("text, ok", [("0", True), ("0123", True), ("", False), ("\u00b2", False), ("\u0663", False), ("-1", False), ("1.0", False), (7, False)])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("0", True),
+        ("0123", True),
+        ("", False),
+        ("\u00b2", False),
+        ("\u0663", False),
+        ("-1", False),
+        ("1.0", False),
+        (7, False),
+    ],
+)
 def test_is_decimal_takes_ascii_digits_only(text, ok):
     assert is_decimal(text) is ok
 
@@ -131,3 +143,42 @@ def test_durations(text, seconds):
 def test_bad_durations(text):
     with pytest.raises(ConfigError, match="bad duration"):
         parse_duration(text)
+
+
+# --- integers of thousands of digits: Python's int() refuses them (ValueError) past 4300 digits
+
+HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: parse_size(HUGE), r"larger than 2\*\*64-1 bytes"),
+        (lambda: parse_size(HUGE + "G"), r"larger than 2\*\*64-1 bytes"),
+        (lambda: parse_limits(f"0={HUGE}"), r"larger than 2\*\*64-1 bytes"),
+        (lambda: parse_limits(f"{HUGE}=4G"), "ordinals run from 0 to 63"),
+    ],
+)
+def test_integers_of_thousands_of_digits_are_a_one_line_config_error(call, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        call()
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300  # the text is shown shortened
+
+
+def test_leading_zeros_are_free_as_in_the_c_parser():
+    assert parse_size("0" * 5000 + "4G") == 4 << 30
+    assert parse_limits("0" * 5000 + "3=1G") == {3: 1 << 30}
+
+
+def test_is_decimal_bounds_the_digits_so_int_of_it_is_safe():
+    assert is_decimal("9" * 20) and int("9" * 20) == 10**20 - 1
+    assert not is_decimal("9" * 21)
+    assert not is_decimal(HUGE)
+
+
+@pytest.mark.parametrize("value", [1 << 2000, -(1 << 2000)], ids=["2**2000", "-2**2000"])
+def test_numbers_too_large_for_a_float_are_refused_not_raised(value):
+    with pytest.raises(ConfigError, match="bad active thread percentage"):
+        parse_percentage(value)
+    with pytest.raises(ConfigError, match="bad duration"):
+        parse_duration(value)

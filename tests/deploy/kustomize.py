@@ -10,7 +10,7 @@ here instead of being silently ignored:
 - ``components``: directories whose kustomization is ``kind: Component``;
 - ``namespace``: set on every namespaced object of this kustomization;
 - ``configMapGenerator``: ``files`` entries, ``behavior`` create|replace, and only with
-  ``options.disableNameSuffixHash: true`` (name hashing is not implemented);
+  ``options.disableNameSuffixHash: true`` (name hashing is not implemented) and ``options.labels``;
 - ``patches``: a ``path`` to an RFC 6902 JSON patch (ops add, replace, remove) with a
   ``target`` selecting by group/version/kind/name.
 """
@@ -92,9 +92,11 @@ def _generate_config_map(directory: Path, gen: Obj, objects: list[Obj]) -> None:
     unknown = set(gen) - {"name", "namespace", "files", "behavior", "options"}
     if unknown:
         raise KustomizeError(f"{directory}: configMapGenerator {gen.get('name')}: unsupported {sorted(unknown)}")
-    if gen.get("options") != {"disableNameSuffixHash": True}:
+    options = dict(gen.get("options") or {})
+    labels = options.pop("labels", None)
+    if options != {"disableNameSuffixHash": True}:
         raise KustomizeError(f"{directory}: configMapGenerator {gen['name']}: only "
-                             "options.disableNameSuffixHash: true is supported")
+                             "options.disableNameSuffixHash: true (and options.labels) is supported")
     data = {}
     for entry in gen.get("files", []):
         name, _, source = entry.partition("=") if "=" in entry else (Path(entry).name, "", entry)
@@ -102,6 +104,8 @@ def _generate_config_map(directory: Path, gen: Obj, objects: list[Obj]) -> None:
     meta = {"name": gen["name"]}
     if gen.get("namespace"):
         meta["namespace"] = gen["namespace"]
+    if labels:
+        meta["labels"] = {str(k): str(v) for k, v in labels.items()}
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
     behavior = gen.get("behavior", "create")
     if behavior == "create":

@@ -65,7 +65,8 @@ def test_servicemonitor_shape() -> None:
     assert svc["metadata"]["namespace"] in sm["spec"]["namespaceSelector"]["matchNames"]
     port_names = {p["name"] for p in svc["spec"]["ports"]}
     for endpoint in sm["spec"]["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings"}
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings", "honorLabels"}
+        assert endpoint["honorLabels"] is True  # per-pod series keep the client's pod and namespace labels
         assert endpoint["port"] in port_names
         assert endpoint["path"] == "/metrics"
     # The base alone carries no CRD object, so it applies on clusters without the operator.

@@ -1,61 +1,76 @@
 """The real MPS daemon, supervised by `mpsd run`, serving real PyTorch clients.
 
-Uses the driver's own nvidia-cuda-mps-control and a private pipe directory; never changes
-the compute mode. The daemon is stopped through mpsd (SIGTERM) before each test ends.
+Uses the driver's own nvidia-cuda-mps-control and a private pipe directory (the `node` fixture
+of conftest.py); never changes the compute mode. The daemon is stopped through mpsd (SIGTERM)
+before each test ends, and no MPS process of that pipe directory may outlive it.
 """
+
 from __future__ import annotations
 
 import json
-import shutil
+import math
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
+from dataclasses import asdict
 
-import pytest
-
-from tests.gpu.conftest import clean_env
+from mpsd.control import Control
+from mpsd.errors import ControlError
+from tests.gpu.conftest import MPSD, clean_env, mps_processes
 
 GIB = 1 << 30
-MPSD = [sys.executable, "-m", "mpsd"]
 
-
-def _mps_processes() -> list[str]:
-    out = subprocess.run(["pgrep", "-a", "nvidia-cuda-mps"], capture_output=True, text=True)
-    return out.stdout.splitlines()
-
-
-@pytest.fixture
-def node(tmp_path: Path):
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("the driver's nvidia-cuda-mps-control is not on PATH")
-    pipe, logs = tmp_path / "pipe", tmp_path / "log"
-    args = ["--control-binary", control, "--pipe-dir", str(pipe), "--log-dir", str(logs),
-            "--metrics-address", "", "--state-dir", str(tmp_path / "state"),
-            "--active-thread-percentage", "100", "--health-interval", "1s"]
-    proc = subprocess.Popen([*MPSD, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status = subprocess.run([*MPSD, "status", "--json", "--pipe-dir", str(pipe)], capture_output=True, text=True)
-        if status.returncode == 0:
-            break
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"mpsd run did not come up:\n{proc.stdout.read() if proc.stdout else ''}")
-    yield {"pipe": pipe, "logs": logs, "args": args, "proc": proc}
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    assert not [p for p in _mps_processes() if str(pipe) in p], "an MPS daemon outlived mpsd"
+HOLD = """
+import json, os, sys, torch
+x = torch.empty({nbytes}, dtype=torch.uint8, device="cuda")
+p = torch.cuda.get_device_properties(0)
+free, total = torch.cuda.mem_get_info()
+print(json.dumps({{"pid": os.getpid(), "sms": p.multi_processor_count, "total": total, "free": free,
+                  "props_total": p.total_memory}}), flush=True)
+sys.stdin.read()
+"""
 
 
 def _exec(node, *mpsd_args: str, code: str, python: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*MPSD, "exec", "--pipe-dir", str(node["pipe"]), *mpsd_args, "--", python, "-c", code],
-        env=clean_env(), capture_output=True, text=True, timeout=300,
+        [*MPSD, "exec", *node["common"], *mpsd_args, "--", python, "-c", code],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+
+
+def _start(node, *mpsd_args: str, code: str, python: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*MPSD, "exec", *node["common"], *mpsd_args, "--", python, "-c", code],
+        env=clean_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _stop(client: subprocess.Popen) -> str:
+    client.stdin.close()
+    try:
+        client.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        client.kill()
+        client.wait()
+    return client.stderr.read()[-1000:]
+
+
+def _ask(control: Control, command: str) -> str:
+    try:
+        return control.call(command).strip()
+    except ControlError as exc:  # recorded: what this driver's daemon says to it
+        return f"error: {exc}"
+
+
+def _control(node) -> Control:
+    return Control(node["control"], str(node["pipe"]), str(node["logs"]), timeout=10)
 
 
 def test_client_runs_through_the_mps_server(node, torch_python):
@@ -83,21 +98,103 @@ def test_shim_and_mps_together_show_the_cap(node, torch_python):
     assert int(out.stdout.split()[-1]) == 2 * GIB
 
 
-def test_status_lists_the_server_and_its_client(node, torch_python, tmp_path):
-    code = "import os, sys, torch; x = torch.empty(1 << 28, device='cuda'); print(os.getpid(), flush=True); sys.stdin.read()"
-    client = subprocess.Popen(
-        [*MPSD, "exec", "--pipe-dir", str(node["pipe"]), "--", torch_python, "-c", code],
-        env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def test_exec_client_gets_its_compute_and_memory_limits(node, torch_python, record):
+    """`mpsd exec --gpu-memory 4G --gpu-compute 25`: the client runs on an MPS server with a
+    quarter of the SMs and sees 4 GiB; what the server and its logs say is recorded."""
+    full = subprocess.run(
+        [torch_python, "-c", "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert full.returncode == 0, full.stderr
+    all_sms = int(full.stdout.split()[-1])
+    client = _start(
+        node, "--gpu-memory", "4G", "--gpu-compute", "25", code=HOLD.format(nbytes=GIB), python=torch_python
     )
     try:
-        line = client.stdout.readline().strip()
-        assert line.isdigit(), client.stderr.read()
-        status = subprocess.run([*MPSD, "status", "--json", "--pipe-dir", str(node["pipe"])],
-                                capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0, status.stderr
-        data = json.loads(status.stdout)
-        assert data["daemon"] == "up" and len(data["servers"]) == 1, data
-        assert int(line) in [c["pid"] for c in data["clients"]], data
+        line = client.stdout.readline()
+        assert line, client.stderr.read()
+        seen = json.loads(line)
+        control = _control(node)
+        servers = control.get_server_list()
+        readback = {s: _ask(control, f"get_active_thread_percentage {s}") for s in servers}
+        ps = control.ps()
+        server_log = (
+            (node["logs"] / "server.log").read_text(errors="replace") if (node["logs"] / "server.log").exists() else ""
+        )
+        over = _exec(
+            node,
+            "--gpu-memory",
+            "4G",
+            "--no-shim",
+            code="import torch; torch.empty(5 << 30, dtype=torch.uint8, device='cuda')",
+            python=torch_python,
+        )
     finally:
-        client.stdin.close()
-        client.wait(timeout=120)
+        stderr = _stop(client)
+    interesting = [ln for ln in server_log.splitlines() if "limit" in ln.lower() or "percentage" in ln.lower()]
+    record(
+        all_sms=all_sms,
+        client=seen,
+        servers=servers,
+        server_active_thread_percentage=readback,
+        ps=[asdict(p) for p in ps],
+        server_log_limits=interesting[-10:],
+        over_rc=over.returncode,
+        over_stderr=over.stderr.strip().splitlines()[-1:],
+        client_stderr=stderr,
+    )
+    assert len(servers) == 1, servers
+    assert seen["pid"] in [p.pid for p in ps], ps
+    assert seen["total"] == 4 * GIB and seen["props_total"] == 4 * GIB, seen
+    assert seen["sms"] <= math.ceil(all_sms * 0.25) + 1 and seen["sms"] < all_sms, (seen, all_sms)
+    assert over.returncode != 0, "a 5 GiB allocation passed the MPS server's 4G pinned limit"
+
+
+def test_status_lists_the_server_and_its_client_with_its_memory(node, torch_python, record):
+    client = _start(node, code=HOLD.format(nbytes=GIB), python=torch_python)
+    try:
+        line = client.stdout.readline()
+        assert line, client.stderr.read()
+        pid = json.loads(line)["pid"]
+        status = subprocess.run(
+            [*MPSD, "status", "--json", *node["common"]], capture_output=True, text=True, timeout=60
+        )
+        table = subprocess.run([*MPSD, "status", *node["common"]], capture_output=True, text=True, timeout=60)
+    finally:
+        _stop(client)
+    record(status_table=table.stdout)
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert data["daemon"] == "up" and len(data["servers"]) == 1, data
+    mine = [c for c in data["clients"] if c["pid"] == pid]
+    assert mine, data
+    assert mine[0]["usedMemory"] is not None and mine[0]["usedMemory"] >= GIB, mine
+    assert str(pid) in table.stdout
+
+
+def test_sigterm_with_a_client_attached_leaves_no_mps_process(node, torch_python, record):
+    client = _start(node, code=HOLD.format(nbytes=GIB), python=torch_python)
+    try:
+        assert client.stdout.readline(), client.stderr.read()
+        before = mps_processes(node["pipe"])
+        start = time.monotonic()
+        node["proc"].send_signal(signal.SIGTERM)
+        rc = node["proc"].wait(timeout=90)
+        stop_s = time.monotonic() - start
+        after = mps_processes(node["pipe"])
+    finally:
+        stderr = _stop(client)
+    record(
+        mps_before=before,
+        mpsd_rc=rc,
+        stop_seconds=round(stop_s, 2),
+        mps_after=after,
+        client_rc=client.returncode,
+        client_stderr=stderr.strip().splitlines()[-3:],
+    )
+    assert len(before) >= 2, before  # the control daemon and a server
+    assert rc == 0
+    assert not after, after

@@ -213,13 +213,22 @@ def test_exec_without_shim_and_exit_code(tmp_path):
             "environment MPSD_HEALTH_TIMEOUT: healthTimeout: expected a duration",
         ),
         (["run", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+        # int() of more than 4300 digits raises ValueError: it escaped as a traceback, exit 1
+        (["exec", "--gpu-memory", "9" * 5000, "--", "true"], {}, "--gpu-memory: bad size '99999"),
+        (["exec", "--gpu-memory", "9" * 5000 + "=4G", "--", "true"], {}, "ordinals run from 0 to 63"),
+        (["exec", "--gpu-memory", "0=" + "9" * 5000 + "M", "--", "true"], {}, "larger than 2**64-1 bytes"),
+        (["status"], {"MPSD_SLICES_PER_GPU": "9" * 5000}, "devicePlugin.slicesPerGpu: expected an integer 1..100"),
+        (["status"], {"MPSD_PINNED_MEM_LIMIT": "0=" + "9" * 5000}, "pinnedMemLimit: expected DEVICE=SIZE"),
+        (["status"], {"MPSD_METRICS_ADDRESS": ":" + "9" * 5000}, "metricsAddress: expected host:port"),
     ],
+    ids=lambda v: v[:40] if isinstance(v, str) else None,
 )
 def test_malformed_input_exits_2_with_one_line(args, env, message):
     result = mpsd(*args, env=env)
     assert result.returncode == 2, result
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert len(result.stderr) < 1000, "a bad value is shown shortened"
 
 
 def test_check_config(tmp_path):

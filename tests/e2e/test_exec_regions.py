@@ -1,0 +1,146 @@
+"""mpsd run's series for the regions of `mpsd exec` (mpsd.exec_regions): real region files
+charged by real holder processes (the region core), read through libmpsshim.so, served by the
+metrics exporter; and the FAULT count pushed from a supervisor status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import urllib.request
+
+from mpsd.exec_regions import ExecRegions, RegionUsage, region_files
+from mpsd.health import HealthBoard
+from mpsd.metrics import Metrics, serve
+from mpsd.node import InventoryPump, _observer
+from mpsd.supervisor import Status
+
+G = 1 << 30
+M = 1 << 20
+
+
+def hold(exe, region, *charges):
+    proc = subprocess.Popen([exe, region, *charges], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def scrape(metrics: Metrics) -> list[str]:
+    with (
+        serve("127.0.0.1:0", metrics, lambda: True, lambda: True) as server,
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as resp,
+    ):
+        body = resp.read()
+    return [line for line in body.decode().splitlines() if not line.startswith("#")]
+
+
+def test_region_files_reads_only_regular_files_one_level_down_without_symlinks(tmp_path):
+    root = tmp_path / "exec"
+    for name in ("b", "a", "fifo", "linked", "empty"):
+        (root / name).mkdir(parents=True)
+    (root / "a" / "region").write_bytes(b"")
+    (root / "b" / "region").write_bytes(b"")
+    os.mkfifo(root / "fifo" / "region")
+    (root / "linked" / "region").symlink_to(root / "a" / "region")
+    (root / "dirlink").symlink_to(root / "a")
+    (root / "plain-file").write_bytes(b"")
+    assert region_files(str(root)) == [("a", str(root / "a" / "region")), ("b", str(root / "b" / "region"))]
+    assert region_files(str(root), limit=1) == [("a", str(root / "a" / "region"))]
+    assert region_files(str(tmp_path / "absent")) == []
+
+
+def test_region_names_that_are_not_printable_utf8_are_skipped(holder_exe, shim_lib, tmp_path):
+    root = tmp_path / "exec"
+    for name in (b"caf\xe9", b"new\nline", b"ok"):
+        os.makedirs(os.path.join(os.fsencode(root), name))
+    for name in (b"new\nline", b"ok"):
+        open(os.path.join(os.fsencode(root), name, b"region"), "wb").close()
+    a = hold(holder_exe, os.path.join(os.fsencode(root), b"caf\xe9", b"region"), f"0:{4 * G}:{G}")
+    try:
+        assert region_files(str(root)) == [("ok", str(root / "ok" / "region"))]
+        metrics = Metrics()
+        metrics.set_regions(ExecRegions(str(root), lambda: str(shim_lib))())
+        assert "mpsd_region_" not in "".join(scrape(metrics))  # and the scrape still works
+    finally:
+        a.kill()
+        a.wait()
+
+
+def test_exec_regions_reads_caps_usage_and_live_processes(holder_exe, shim_lib, tmp_path):
+    root = tmp_path / "exec"
+    for name in ("shared", "solo", "bad", "fifo"):
+        (root / name).mkdir(parents=True)
+    (root / "bad" / "region").write_bytes(b"not a region" * 1000)
+    os.mkfifo(root / "fifo" / "region")
+    a = hold(holder_exe, root / "shared" / "region", f"0:{4 * G}:{3 * G}")
+    b = hold(holder_exe, root / "shared" / "region", f"0:{4 * G}:{512 * M}")
+    c = hold(holder_exe, root / "solo" / "region", f"1:{2 * G}:{M}")
+    try:
+        rows = ExecRegions(str(root), lambda: str(shim_lib))()
+        assert [(r.region, r.device, r.cap_bytes, r.used_bytes) for r in rows] == [
+            ("shared", 0, 4 * G, 3 * G + 512 * M),
+            ("solo", 1, 2 * G, M),
+        ]
+        assert sorted(rows[0].processes) == sorted([(a.pid, 3 * G), (b.pid, 512 * M)])
+        b.kill()
+        b.wait()
+        again = ExecRegions(str(root), lambda: str(shim_lib))()
+        assert again[0].processes == ((a.pid, 3 * G),)  # a dead process has no series
+    finally:
+        for p in (a, b, c):
+            p.kill()
+            p.wait()
+
+
+def test_without_a_shim_library_the_regions_are_not_read(tmp_path):
+    (tmp_path / "exec" / "x").mkdir(parents=True)
+    (tmp_path / "exec" / "x" / "region").write_bytes(b"")
+
+    def missing() -> str:
+        raise OSError("no libmpsshim.so")
+
+    assert ExecRegions(str(tmp_path / "exec"), missing)() == []
+
+
+def test_the_pump_exports_region_series_and_drops_them_when_the_region_goes(holder_exe, shim_lib, tmp_path):
+    root = tmp_path / "exec"
+    (root / "web").mkdir(parents=True)
+    a = hold(holder_exe, root / "web" / "region", f"0:{4 * G}:{G}")
+    metrics = Metrics()
+    pump = InventoryPump(None, metrics, HealthBoard(), regions=ExecRegions(str(root), lambda: str(shim_lib)))
+    try:
+        pump.refresh()
+        lines = scrape(metrics)
+        assert 'mpsd_region_memory_cap_bytes{device="0",region="web"} 4.294967296e+09' in lines
+        assert 'mpsd_region_memory_used_bytes{device="0",region="web"} 1.073741824e+09' in lines
+        assert f'mpsd_region_process_memory_bytes{{device="0",pid="{a.pid}",region="web"}} 1.073741824e+09' in lines
+        (root / "web" / "region").unlink()
+        pump.refresh()
+        assert not [line for line in scrape(metrics) if line.startswith("mpsd_region_")]
+    finally:
+        pump.close()
+        a.kill()
+        a.wait()
+
+
+def test_set_regions_replaces_the_previous_rows():
+    metrics = Metrics()
+    metrics.set_regions([RegionUsage("a", 0, 4 * G, G, ((7, G),))])
+    metrics.set_regions([RegionUsage("b", 0, 2 * G, 0, ())])
+    lines = [line for line in scrape(metrics) if line.startswith("mpsd_region_")]
+    assert lines == [
+        'mpsd_region_memory_cap_bytes{device="0",region="b"} 2.147483648e+09',
+        'mpsd_region_memory_used_bytes{device="0",region="b"} 0.0',
+    ]
+
+
+def test_the_observer_exports_how_many_servers_are_in_fault():
+    metrics = Metrics()
+    pump = InventoryPump(None, metrics, HealthBoard())
+    try:
+        observe = _observer(metrics, pump)
+        observe(Status(state="running", servers=(10, 11, 12), server_states={10: "FAULT", 11: "ACTIVE", 12: "FAULT"}))
+        assert "mpsd_mps_servers_faulted 2.0" in scrape(metrics)
+        observe(Status(state="running", servers=(13,), server_states={13: "ACTIVE"}))
+        assert "mpsd_mps_servers_faulted 0.0" in scrape(metrics)
+    finally:
+        pump.close()
