@@ -154,7 +154,7 @@ def test_terminate_set_by_a_reload_acts_on_a_server_already_in_fault(make_config
     r.wait_for(lambda s: s.configured)
     clients += [client(cooperative=True)]
     sent: list = []
-    fault(monkeypatch, r, clients, sent)
+    real = fault(monkeypatch, r, clients, sent)
     r.wait_for(lambda s: s.faulted_gpus, what="FAULT published")
     checks = r.sup.status().health_checks
     wait_until(lambda: r.sup.status().health_checks >= checks + 2, what="more health checks")
@@ -162,3 +162,6 @@ def test_terminate_set_by_a_reload_acts_on_a_server_already_in_fault(make_config
     r.sup.reload()
     wait_until(lambda: clients[0].poll() is not None, what="the client ended after the reload")
     assert sent == [(SERVER, clients[0].pid)] and r.sup.status().pid is not None
+    monkeypatch.setattr(r.sup, "control", real)  # the server exits with its last client
+    state = r.wait_for(lambda s: not s.faulted_gpus, what="healthy once the server is gone")
+    assert state.gpu_healthy(0) and state.last_error == "" and r.sup.status().servers == ()
