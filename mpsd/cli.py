@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             return _check_config(args, env)
         config = resolve(args, env)
         if args.command == "run":
-            from .daemon import run
+            from .node import run
 
             return run(config, reload=reloader(args, env))
         if args.command == "status":
@@ -141,7 +141,7 @@ def exec_limits(gpu_memory: str | None) -> dict[int | str, int]:
 
 
 def _shim_path(config: cfg.Config) -> str:
-    from .daemon import shim_library_path
+    from .node import shim_library_path
 
     try:
         return shim_library_path(config)

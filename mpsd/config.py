@@ -216,6 +216,8 @@ SETTINGS: tuple[Setting, ...] = (
             "libnvidia-ml.so.1 to load; empty = pynvml's search"),
     Setting("logLevel", "log-level", _log_level, "info",
             "debug | info | warning | error"),
+    Setting("faultPolicy", "fault-policy", _choice(("report", "terminate")), "report",
+            "clients of an MPS server in FAULT: report (leave them) | terminate (terminate_client, then SIGKILL)"),
     Setting("devicePlugin.enabled", "device-plugin", _bool, False,
             "serve the kubelet device plugin"),
     Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu",
@@ -279,6 +281,7 @@ class Config:
     shim_library: str | None
     nvml_library: str | None
     log_level: str
+    fault_policy: str
     device_plugin: DevicePluginConfig
     source: str | None = field(default=None, compare=False)  # the file it came from
 

@@ -1,8 +1,15 @@
 """Preparing the pipe and log directories before the control daemon starts.
 
+* Only a path no other local user controls is used: every component that exists must belong
+  to root (or mpsd's own user), a symbolic link on the way must too, the directory itself must
+  not be a link, and no directory on the way may be writable by others without the sticky
+  bit. Anything else (a directory planted in ``/tmp`` by another user) is refused with one
+  line, before anything is created, changed or removed there.
 * Created if missing (mode 0755), with every ancestor made traversable (``o+x``) so that MPS
   servers, which run with the client's UID, can reach the sockets (a 0700 parent makes them
   exit at start and the client hang or fail).
+* ``mpsd.lock`` in the pipe dir is flock'ed by ``mpsd run`` for its whole life
+  (:func:`hold_pipe_dir`): a second ``mpsd run`` on the same directory stops at once.
 * Files a crashed daemon left in the pipe dir (``control``, ``control_lock``, ...) are
   removed, unless a live daemon still holds ``control_lock``: then it is an error, because
   two daemons on one pipe dir would fight over the clients.
@@ -15,25 +22,26 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 from .errors import SetupError
+from .units import is_decimal
 
 log = logging.getLogger(__name__)
 
 STALE_FILES = ("control", "control_privileged", "log", "control_lock", "nvidia-cuda-mps-control.pid")
 TRAVERSE = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+CLIENT_SOCKET = "control"  # what clients other than root connect through (root: control_privileged)
+LOCK_FILE = "mpsd.lock"
+LOCK_PID_WAIT = 1.0  # seconds a refused mpsd waits for the holder to write its PID
 
 
 def prepare(pipe_dir: str, log_dir: str) -> None:
     """Make both directories ready for a new daemon; SetupError (one line) when it cannot."""
-    pipe = Path(pipe_dir)
-    if not pipe.is_absolute():
-        raise SetupError(f"pipe dir {pipe_dir!r}: expected an absolute path")
-    if not Path(log_dir).is_absolute():
-        raise SetupError(f"log dir {log_dir!r}: expected an absolute path")
-    ensure_dir(pipe, 0o755)
-    ensure_dir(Path(log_dir), 0o755)
+    pipe = _absolute(pipe_dir, "pipe dir")
+    ensure_dir(pipe, 0o755, "pipe dir")
+    ensure_dir(_absolute(log_dir, "log dir"), 0o755, "log dir")
     if daemon_holds_lock(pipe):
         raise SetupError(
             f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control holds {pipe / 'control_lock'}; "
@@ -42,12 +50,58 @@ def prepare(pipe_dir: str, log_dir: str) -> None:
     remove_stale(pipe)
 
 
-def ensure_dir(path: Path, mode: int) -> None:
-    """Create ``path`` (and parents) with ``mode`` and make every ancestor traversable by all."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SetupError(f"cannot create directory {path}: {exc.strerror}") from exc
+def _absolute(value: str, what: str) -> Path:
+    path = Path(value)
+    if not path.is_absolute():
+        raise SetupError(f"{what} {value!r}: expected an absolute path")
+    return Path(os.path.normpath(path))
+
+
+def check_path(path: Path, what: str = "directory") -> None:
+    """SetupError (one line) unless no other local user controls ``path``: each component
+    that exists belongs to root or mpsd's user, as does a symbolic link on the way; ``path``
+    itself is not a link; no directory on the way is writable by others without the sticky
+    bit. The first missing component ends the check (mpsd creates the rest itself)."""
+    trusted = {0, os.geteuid()}
+    for component in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(component)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise SetupError(f"{what} {path}: cannot inspect {component}: {exc.strerror}") from exc
+        where = f"{what} {path}" + ("" if component == path else f": {component}")
+        fix = f"remove it or choose another {what}"
+        if stat.S_ISLNK(st.st_mode) and component == path:
+            raise SetupError(f"{where}: a symbolic link; expected a directory, not a link to one: use the real path")
+        if st.st_uid not in trusted:
+            kind = "a symbolic link owned" if stat.S_ISLNK(st.st_mode) else "owned"
+            raise SetupError(
+                f"{where}: {kind} by uid {st.st_uid}, not by root or mpsd's user: "
+                f"that user could redirect what clients connect to; {fix}"
+            )
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise SetupError(
+                f"{where}: writable by every user without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): "
+                f"anyone could replace what is in it; chmod o-w or +t it, or choose another {what}"
+            )
+
+
+def ensure_dir(path: Path, mode: int, what: str = "directory") -> None:
+    """Create ``path`` with ``mode`` if missing, one component at a time and each checked
+    (:func:`check_path`), then make every ancestor traversable by all."""
+    check_path(path, what)
+    for component in [*reversed(path.parents), path]:
+        if os.path.lexists(component):
+            continue
+        try:
+            os.mkdir(component, 0o755)
+        except FileExistsError:
+            pass  # made meanwhile: checked below
+        except OSError as exc:
+            raise SetupError(f"cannot create directory {path}: {exc.strerror}") from exc
+        check_path(component, what)
+    check_path(path, what)
     if not path.is_dir():
         raise SetupError(f"{path} exists and is not a directory")
     try:
@@ -119,3 +173,75 @@ def remove_stale(pipe: Path) -> list[str]:
     if removed:
         log.info("removed stale pipe files dir=%s files=%s", pipe, ",".join(removed))
     return removed
+
+
+def client_socket_problem(pipe: Path) -> str:
+    """Why clients other than root cannot connect to the daemon ("" when they can): root's
+    front-end uses ``control_privileged``, so a health check run as root does not see this."""
+    path = pipe / CLIENT_SOCKET
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} is missing: clients other than root cannot connect"
+    except OSError as exc:
+        return f"cannot inspect {path}: {exc.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket: clients other than root cannot connect"
+    if st.st_mode & 0o006 != 0o006:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}: clients other than root cannot connect"
+    return ""
+
+
+def hold_pipe_dir(pipe_dir: str) -> int:
+    """Create and check the pipe dir, then flock its ``mpsd.lock`` for the life of the caller
+    (the fd returned; :func:`release_pipe_dir` ends it, and so does the process's exit).
+    SetupError naming the holder's PID when another mpsd holds it."""
+    pipe = _absolute(pipe_dir, "pipe dir")
+    ensure_dir(pipe, 0o755, "pipe dir")
+    path = pipe / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SetupError(f"pipe dir {pipe}: cannot open {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+            raise SetupError(f"pipe dir {pipe}: {path} is not a regular file of root or mpsd's user; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SetupError(
+                f"pipe dir {pipe}: another mpsd run (pid {_holder(fd)}) holds {path}; "
+                "stop it or give this one another pipeDir"
+            ) from None
+        except OSError as exc:
+            raise SetupError(f"pipe dir {pipe}: cannot lock {path}: {exc.strerror}") from exc
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the lock holds all the same, only the PID is not named
+            log.warning("cannot write pid to lock file path=%s error=%s", path, exc.strerror)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_pipe_dir(fd: int) -> None:
+    """Clear the PID (a later refusal must not name a process gone) and drop the lock."""
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass  # the lock goes with the close all the same
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """The PID the lock's holder wrote, waiting briefly for it (it writes once it holds it)."""
+    deadline = time.monotonic() + LOCK_PID_WAIT
+    while True:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if is_decimal(text) or time.monotonic() >= deadline:
+            return text if is_decimal(text) else "unknown"
+        time.sleep(0.01)

@@ -96,6 +96,15 @@ class Metrics:
         self.device_healthy = Gauge(
             "mpsd_device_healthy", "1 if the GPU is offered as healthy to the kubelet", ["gpu"], registry=r
         )
+        self.fault_terminations = Counter(
+            "mpsd_fault_terminations",
+            "Clients of an MPS server in FAULT ended by faultPolicy terminate, by how",
+            ["method"],
+            registry=r,
+        )
+        for method in ("terminate_client", "sigkill"):  # exported from the start, at 0
+            self.fault_terminations.labels(method)
+        self._terminations_seen: dict[str, int] = {}
         self.allocation_used = Gauge(
             "mpsd_allocation_memory_used_bytes",
             "Device memory used by one device-plugin allocation (shim accounting)",
@@ -174,7 +183,7 @@ class Metrics:
         servers: int | Mapping[int, int],
         config_generation: int,
     ) -> None:
-        """One supervisor status snapshot (mpsd.daemon pushes one per change). ``restarts`` is
+        """One supervisor status snapshot (mpsd.node pushes one per change). ``restarts`` is
         the running total: the counter advances by the difference. Snapshots repeat the last
         latency and error, so a latency is observed and an error stamped only when it
         changes. ``servers`` as a plain count is exported with gpu="all"."""
@@ -194,6 +203,16 @@ class Metrics:
             self.set_last_error(last_error)
         self.set_mps_servers({"all": servers} if isinstance(servers, int) else servers)
         self.set_config_generation(config_generation)
+
+    def set_fault_terminations(self, totals: Mapping[str, int]) -> None:
+        """Running totals per method (terminate_client, sigkill): each counter advances by the
+        difference to the last totals seen."""
+        with self._lock:
+            for method, total in totals.items():
+                new = total - self._terminations_seen.get(method, 0)
+                if new > 0:
+                    self.fault_terminations.labels(method).inc(new)
+                self._terminations_seen[method] = max(total, self._terminations_seen.get(method, 0))
 
     # -- inventory ---------------------------------------------------------------------
 
@@ -221,7 +240,7 @@ class Metrics:
             self._replace(self.client_memory, memory)
 
     def update_gpus(self, gpus: Iterable[Gpu], clients: Iterable[Client]) -> None:
-        """Alias of observe_inventory (the name mpsd.daemon calls)."""
+        """Alias of observe_inventory (the name mpsd.node calls)."""
         self.observe_inventory(gpus, clients)
 
     # -- device plugin -----------------------------------------------------------------

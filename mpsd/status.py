@@ -11,8 +11,8 @@ from typing import Any
 
 from . import config as cfg
 from .control import Control, PsEntry
-from .daemon import LOG_FORMAT, open_inventory
 from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError
+from .node import LOG_FORMAT, open_inventory
 from .units import format_size
 
 

@@ -19,22 +19,16 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 from . import dirs
 from .computemode import ComputeMode
 from .config import BY_KEY, Config, changed_keys
-from .control import (
-    CommandRejected,
-    ConfigureError,
-    Control,
-    UnexpectedOutput,
-    UnknownCommand,
-    apply_defaults,
-    limit_early_servers,
-)
+from .control import ConfigureError, Control, apply_defaults, limit_early_servers
 from .daemon import DaemonProcess
 from .errors import ConfigError, ControlBusy, ControlError, ControlTimeout, SetupError
+from .faults import FaultHandler
 from .health import HealthBoard
 from .units import format_limits
 
@@ -51,6 +45,7 @@ LIVE_KEYS = frozenset(
         "restartBackoffMax",
         "shutdownTimeout",
         "logLevel",
+        "faultPolicy",
     }
 )
 READY_POLL = 0.02
@@ -70,6 +65,7 @@ class Status:
     server_states: dict[int, str] = field(default_factory=dict)
     last_error: str = ""
     config_generation: int = 1
+    fault_terminations: dict[str, int] = field(default_factory=dict)  # clients ended by faultPolicy, by method
 
 
 def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float:
@@ -99,9 +95,9 @@ class Supervisor:
         self._status = Status()
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
-        self._supports_status: bool | None = None
         self._applied = config  # the config whose defaults the running daemon has
         self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
+        self._faults = FaultHandler(grace=config.health_timeout)
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
         )
@@ -191,7 +187,7 @@ class Supervisor:
                 raise
             self._failed(f"cannot start the daemon: {exc}")
             return
-        self._supports_status = None
+        self._faults.reset()
         try:
             self._wait_listening(self._daemon)
             apply_defaults(self.control(), self.config)
@@ -238,7 +234,10 @@ class Supervisor:
             return  # one we already retired
         self._daemon = None
         daemon.kill()  # its servers, if any are left
-        self._failed(f"daemon pid={daemon.pid} exited with status {returncode}")
+        if daemon.retired_because:  # killed by us: the reason stays what /readyz says until the restart
+            self._failed(f"{daemon.retired_because}; killed (status {returncode})")
+        else:
+            self._failed(f"daemon pid={daemon.pid} exited with status {returncode}")
 
     def _failed(self, message: str) -> None:
         failures = self.status().failures_in_row + 1
@@ -261,10 +260,14 @@ class Supervisor:
         assert daemon is not None
         control = self.control()
         began = time.monotonic()
+        unreachable = dirs.client_socket_problem(Path(self.config.pipe_dir))
+        if unreachable:  # a restart makes the daemon create it again
+            self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {unreachable}")
+            return
         try:
             control.get_default_active_thread_percentage()
             servers = control.get_server_list()
-            states = self._server_states(control, servers)
+            states = self._faults.server_states(control, servers)
         except ControlTimeout as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} hung: {exc}")
             return
@@ -285,9 +288,13 @@ class Supervisor:
         error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit"
         if faulted:
             log.error("%s gpus=%s", error, sorted(gpus))
+        action = self._faults.handle(self.config.fault_policy, control, faulted)
+        if action:
+            error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
         self.board.update(faulted_gpus=gpus, last_error=error)
         self._publish(
+            fault_terminations=dict(self._faults.counts),
             state="running",
             failures_in_row=0,
             health_latency=latency,
@@ -298,31 +305,10 @@ class Supervisor:
         )
         self._next_at = time.monotonic() + self.config.health_interval
 
-    def _server_states(self, control: Control, servers: list[int]) -> dict[int, str]:
-        states: dict[int, str] = {}
-        if self._supports_status is False:
-            return states
-        for pid in servers:
-            try:
-                states[pid] = control.get_server_status(pid)
-                self._supports_status = True
-            except UnknownCommand:
-                log.info("get_server_status not supported by this daemon (before driver 550): FAULT detection off")
-                self._supports_status = False
-                break
-            except CommandRejected:
-                continue  # the server exited between the two commands
-            except UnexpectedOutput as exc:
-                # The daemon answered: it is healthy. Killing it (and every client) over an
-                # answer this parser does not know would repeat at every health check.
-                log.error("cannot read the server status of this daemon, FAULT detection off: %s", exc)
-                self._supports_status = False
-                break
-        return states
-
     def _retire(self, daemon: DaemonProcess, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
         log.error("%s: killing it", message)
+        daemon.retired_because = message
         self.board.update(daemon_up=False, configured=False, last_error=message)
         self._publish(last_error=message)
         daemon.kill()

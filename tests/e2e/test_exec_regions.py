@@ -8,10 +8,10 @@ import os
 import subprocess
 import urllib.request
 
-from mpsd.daemon import InventoryPump, _observer
 from mpsd.exec_regions import ExecRegions, RegionUsage, region_files
 from mpsd.health import HealthBoard
 from mpsd.metrics import Metrics, serve
+from mpsd.node import InventoryPump, _observer
 from mpsd.supervisor import Status
 
 G = 1 << 30

@@ -315,14 +315,14 @@ def test_status_table_shows_defaults_gpus_and_clients_with_memory():
 
 
 def test_reload_reads_the_environment_main_was_given(monkeypatch, tmp_path):
-    import mpsd.daemon
+    import mpsd.node
     from mpsd.cli import main
 
     config = tmp_path / "mpsd.yaml"
     config.write_text("version: v1\nactiveThreadPercentage: 70\n")
     env = {"MPSD_CONFIG": str(config), "MPSD_HEALTH_INTERVAL": "7s"}
     seen = {}
-    monkeypatch.setattr(mpsd.daemon, "run", lambda c, reload: seen.update(first=c, reload=reload) or 0)
+    monkeypatch.setattr(mpsd.node, "run", lambda c, reload: seen.update(first=c, reload=reload) or 0)
     assert main(["run"], env=env) == 0
     config.write_text("version: v1\nactiveThreadPercentage: 35\n")
     again = seen["reload"]()

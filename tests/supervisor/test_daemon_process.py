@@ -49,9 +49,9 @@ def test_visible_devices_reach_the_daemon_in_nvidia_smi_order(tmp_path, monkeypa
 
 def test_a_device_plugin_that_stops_makes_the_node_not_ready(tmp_path, monkeypatch):
     import mpsd.plugin
-    from mpsd.daemon import _ready, _start_plugin
     from mpsd.errors import PluginError
     from mpsd.health import HealthBoard
+    from mpsd.node import _ready, _start_plugin
 
     library = tmp_path / "libmpsshim.so"
     library.write_bytes(b"")

@@ -120,3 +120,76 @@ def test_unlocked_lock_file_is_stale(tmp_path):
         assert dirs.daemon_holds_lock(pipe) is False
     finally:
         os.close(fd)
+
+
+# ---- directories a local user could plant (/tmp is writable by all)
+
+OTHER = 1234
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another UID needs root")
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+@needs_root
+def test_a_pipe_dir_owned_by_another_user_is_refused_and_left_alone(tmp_path):
+    pipe = tmp_path / "pipe"
+    pipe.mkdir(mode=0o700)
+    (pipe / "control").write_text("planted")
+    os.chown(pipe, OTHER, OTHER)
+    with pytest.raises(SetupError) as exc:
+        dirs.prepare(str(pipe), str(tmp_path / "log"))
+    assert f"{pipe}: owned by uid {OTHER}" in one_line(exc)
+    assert (pipe / "control").read_text() == "planted" and mode(pipe) == 0o700
+
+
+@needs_root
+def test_a_parent_owned_by_another_user_is_refused(tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    os.chown(planted, OTHER, OTHER)
+    with pytest.raises(SetupError) as exc:
+        dirs.prepare(str(planted / "nvidia-mps"), str(tmp_path / "log"))
+    assert f"{planted}: owned by uid {OTHER}" in one_line(exc)
+
+
+def test_a_pipe_dir_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (target / "control").write_text("keep")
+    (tmp_path / "pipe").symlink_to(target)
+    with pytest.raises(SetupError) as exc:
+        dirs.prepare(str(tmp_path / "pipe"), str(tmp_path / "log"))
+    assert f"{tmp_path / 'pipe'}: a symbolic link" in one_line(exc)
+    assert (target / "control").read_text() == "keep" and mode(target) == 0o700
+
+
+@needs_root
+def test_a_symlink_planted_by_another_user_on_the_path_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    os.lchown(link, OTHER, OTHER)
+    with pytest.raises(SetupError) as exc:
+        dirs.prepare(str(link / "pipe"), str(tmp_path / "log"))
+    assert f"{link}: a symbolic link owned by uid {OTHER}" in one_line(exc)
+    assert not (real / "pipe").exists()
+
+
+def test_a_log_dir_that_is_a_symlink_is_refused(tmp_path):
+    (tmp_path / "log").symlink_to("/etc")  # root would append control.log to wherever it points
+    with pytest.raises(SetupError) as exc:
+        dirs.prepare(str(tmp_path / "pipe"), str(tmp_path / "log"))
+    assert f"{tmp_path / 'log'}: a symbolic link" in one_line(exc)
+
+
+def test_a_symlink_of_mpsd_s_own_user_above_the_pipe_dir_is_followed(tmp_path):
+    """Like /var/run -> /run: a link only root (mpsd's user) could have made."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "real")
+    dirs.prepare(str(tmp_path / "run" / "pipe"), str(tmp_path / "run" / "log"))
+    assert (tmp_path / "real" / "pipe").is_dir()

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from mpsd.daemon import InventoryPump, _observer, managed_gpus
 from mpsd.errors import InventoryError
 from mpsd.health import HealthBoard
 from mpsd.inventory import Client, Gpu
 from mpsd.metrics import Metrics
+from mpsd.node import InventoryPump, _observer, managed_gpus
 from mpsd.supervisor import Status
 
 GPU = Gpu(0, "GPU-a", "Fake", 40 << 30, 1 << 30, (9, 0), False)

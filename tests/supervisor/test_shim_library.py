@@ -6,9 +6,9 @@ import threading
 import pytest
 
 from mpsd import config as cfg
-from mpsd.daemon import _ready, _start_plugin, shim_library_path
 from mpsd.errors import MpsdError
 from mpsd.health import HealthBoard
+from mpsd.node import _ready, _start_plugin, shim_library_path
 
 
 def _config(**values: str) -> cfg.Config:

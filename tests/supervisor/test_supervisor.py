@@ -225,7 +225,7 @@ def test_get_server_status_missing_on_535_is_not_a_failure(make_config, run_supe
     pid = r.sup.status().pid
     monkeypatch.setattr(r.sup, "control", lambda timeout=None: FaultyServers(real(timeout), None))
     wait_until(lambda: r.sup.status().servers == (4242,), what="health check with a server")
-    assert r.sup._supports_status is False
+    assert r.sup._faults.supports_status is False
     assert r.board.current().configured and r.sup.status().pid == pid
 
 
@@ -239,7 +239,7 @@ def test_server_status_in_an_unknown_form_does_not_kill_the_daemon(make_config, 
     checks = r.sup.status().health_checks
     wait_until(lambda: r.sup.status().health_checks >= checks + 3, what="more health checks")
     assert r.sup.status().pid == pid and r.sup.status().restarts == 0
-    assert r.board.current().configured and r.sup._supports_status is False
+    assert r.board.current().configured and r.sup._faults.supports_status is False
     assert "FAULT detection off" in caplog.text and "'4242 2'" in caplog.text
 
 

@@ -1,0 +1,277 @@
+"""The wiring of ``mpsd run``: the supervisor, the NVML inventory, metrics and probes, and
+the device plugin, started in order and stopped in reverse. The control daemon's child
+process is mpsd/daemon.py; the loop that keeps it alive is mpsd/supervisor.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Callable
+
+from . import config as cfg
+from . import dirs
+from .errors import InventoryError, MpsdError, PluginError
+from .exec_regions import ExecRegions
+from .health import HealthBoard
+from .supervisor import Status, Supervisor
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def open_inventory(config: cfg.Config):
+    try:
+        from .inventory import Inventory
+
+        return Inventory(library_path=config.nvml_library)
+    except (InventoryError, ImportError, OSError) as exc:
+        log.warning("NVML not available, running without GPU inventory: %s", exc)
+        return None
+
+
+def managed_gpus(gpus: list, visible_devices: str | None) -> list:
+    """The GPUs the daemon serves: those ``visibleDevices`` names by index (nvidia-smi's
+    numbering, which the daemon gets through CUDA_DEVICE_ORDER=PCI_BUS_ID) or UUID; all of
+    them without it, or when it names MIG devices (NVML's GPU list cannot match those)."""
+    if not visible_devices:
+        return list(gpus)
+    names = visible_devices.split(",")
+    if any(name.startswith("MIG-") for name in names):
+        return list(gpus)
+    return [g for g in gpus if str(g.index) in names or g.uuid in names]
+
+
+def _gpu_lister(inventory, visible_devices: str | None) -> Callable[[], list]:
+    def gpus() -> list:
+        if inventory is None:
+            return []
+        try:
+            return managed_gpus(inventory.gpus(), visible_devices)
+        except InventoryError as exc:
+            log.warning("NVML query failed: %s", exc)
+            return []
+
+    return gpus
+
+
+class InventoryPump:
+    """Reads NVML in its own thread for the GPU series and the FAULT mapping. NVML can block
+    for seconds on a GPU in trouble; the supervisor loop (health checks, restarts, SIGTERM)
+    must never wait on it. Requests coalesce: a refresh reads the latest state. Memory
+    series cover every GPU; indices and device health only the managed ones."""
+
+    def __init__(
+        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None
+    ) -> None:
+        self._inventory, self._metrics, self._board = inventory, metrics, board
+        self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
+        self._visible_devices = visible_devices
+        self._cond = threading.Condition()
+        self._pending = self._closed = False
+        self._indices: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="nvml-refresh", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        with self._cond:
+            self._pending = True
+            self._cond.notify()
+
+    def gpu_indices(self) -> list[int]:
+        """The GPU indices of the last successful listing (kept when NVML fails meanwhile)."""
+        with self._cond:
+            return list(self._indices)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    return
+                self._pending = False
+            self.refresh()
+
+    def refresh(self) -> None:
+        if self._metrics is not None and self._regions is not None:
+            self._metrics.set_regions(self._regions())
+        if self._inventory is None:
+            return
+        try:
+            listed = self._inventory.gpus()
+            clients = self._inventory.mps_clients() if self._metrics is not None else []
+        except InventoryError as exc:
+            log.warning("NVML query failed: %s", exc)
+            return
+        managed = managed_gpus(listed, self._visible_devices)
+        with self._cond:
+            self._indices = [g.index for g in managed]
+        if self._metrics is not None:
+            health = self._board.current()
+            self._metrics.update_gpus(listed, clients)
+            self._metrics.set_device_health({g.index: health.gpu_healthy(g.index) for g in managed})
+
+
+def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
+    """Push each supervisor status into the Prometheus objects; NVML's view is refreshed by
+    the pump's thread."""
+
+    def observe(status: Status) -> None:
+        if metrics is not None:
+            metrics.update_supervisor(
+                daemon_up=status.state == "running",
+                restarts=status.restarts,
+                health_latency=status.health_latency,
+                last_error=status.last_error,
+                servers=len(status.servers),
+                config_generation=status.config_generation,
+            )
+            metrics.set_faulted_servers(sum(state == "FAULT" for state in status.server_states.values()))
+            metrics.set_fault_terminations(status.fault_terminations)
+        pump.request()  # also when down: the device health series follows the board
+
+    return observe
+
+
+def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start,
+    SetupError at once when another ``mpsd run`` holds the pipe dir: its lock is taken before
+    anything else touches the pipe dir, and kept until the daemon is gone."""
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger().setLevel(config.log_level.upper())
+    lock = dirs.hold_pipe_dir(config.pipe_dir)
+    try:
+        return _serve(config, reload)
+    finally:
+        dirs.release_pipe_dir(lock)
+
+
+def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
+    log.info("config source=%s %s", config.source or "-", cfg.describe(config))
+    board = HealthBoard()
+    inventory = open_inventory(config)
+    gpus = _gpu_lister(inventory, config.visible_devices)
+    metrics = server = None
+    if config.metrics_address:
+        from .metrics import Metrics, serve
+
+        metrics = Metrics()
+    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config))
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
+    pump.refresh()  # the GPU indices, before any health check needs them
+    supervisor = Supervisor(
+        config,
+        board,
+        reload=reload,
+        gpu_indices=pump.gpu_indices,
+        on_status=_observer(metrics, pump),
+    )
+    supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
+    plugin: PluginRun | None = None  # read by the readiness probe when it is called
+    if metrics is not None:
+        live = supervisor.loop_alive.is_set
+        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin))
+        log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
+    stop_plugin = threading.Event()
+    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
+    try:
+        return supervisor.run()
+    finally:
+        stop_plugin.set()
+        if plugin is not None and plugin.thread is not None:
+            plugin.thread.join(10)
+        if server is not None:
+            server.close()
+        pump.close()
+        if inventory is not None:
+            inventory.close()
+
+
+class PluginRun:
+    """The device plugin's thread, and why it is not serving if so ("" while it serves)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.problem = ""
+
+
+def _ready(board: HealthBoard, plugin: PluginRun | None = None) -> tuple[bool, str]:
+    """Ready: daemon up and configured, and the device plugin (when enabled) serving. A plugin
+    that is down makes only /readyz fail: failing liveness would restart mpsd, and with it the
+    daemon under every running client."""
+    state = board.current()
+    if plugin is not None and plugin.problem:
+        return False, plugin.problem
+    if state.daemon_up and state.configured:
+        return True, ""
+    return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
+
+
+def shim_library_path(config: cfg.Config) -> str:
+    """libmpsshim.so for clients: shimLibrary when set (it must exist), else the shim package's."""
+    if config.shim_library:
+        if not os.path.isfile(config.shim_library):
+            raise MpsdError(f"shimLibrary {config.shim_library!r}: no such file; expected a built libmpsshim.so")
+        return config.shim_library
+    try:
+        import shim
+
+        return str(shim.library_path())
+    except Exception as exc:  # ShimNotFound or an import problem: one line either way
+        raise MpsdError(
+            f"cannot find libmpsshim.so: {exc}; build it (pip install -e .) or pass --shim-library"
+        ) from exc
+
+
+def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+    plugin = PluginRun()
+    try:
+        from .plugin import run_plugin
+    except ImportError as exc:
+        plugin.problem = f"device plugin not available: {exc}"
+        log.error("%s", plugin.problem)
+        board.update(last_error=plugin.problem)
+        return plugin
+    try:
+        shim_library = shim_library_path(config)
+    except MpsdError as exc:
+        plugin.problem = f"device plugin not started: {exc}"
+        log.error("%s", plugin.problem)
+        board.update(last_error=plugin.problem)
+        return plugin
+
+    def serve() -> None:
+        try:
+            run_plugin(
+                config,
+                pipe_dir=config.pipe_dir,
+                gpus=gpus(),
+                board=board,
+                metrics=metrics,
+                shim_library=shim_library,
+                stop=stop,
+                state_dir=config.state_dir,
+            )
+        except (PluginError, MpsdError) as exc:
+            plugin.problem = f"device plugin stopped: {exc}"
+        except Exception as exc:  # a bug: the node must not look fine without its plugin
+            log.exception("device plugin failed")
+            plugin.problem = f"device plugin stopped: {type(exc).__name__}: {exc}"
+        else:
+            if not stop.is_set():
+                plugin.problem = "device plugin stopped without being asked to"
+        if plugin.problem:
+            log.error("%s", plugin.problem)
+            board.update(last_error=plugin.problem)
+
+    plugin.thread = threading.Thread(target=serve, name="device-plugin", daemon=True)
+    plugin.thread.start()
+    return plugin
