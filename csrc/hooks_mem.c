@@ -137,25 +137,23 @@ CUresult ms_charge_end(const char *fn, ms_charge *c, CUresult rc, int kind, uint
 
 typedef struct forget {
     int known;
-    int dev;
-    uint64_t bytes;
+    uint32_t ticket;
 } forget;
 
-/* Take the allocation out of the table before the driver frees it, so a racing allocation
- * that gets the same address cannot be forgotten instead. */
+/* The allocation stays in the table, marked as being freed, while the driver frees it: a racing
+ * allocation that gets the same address cannot be forgotten instead, and a second free of the
+ * same pointer racing with this one joins it, so that exactly one of them uncharges (track.h). */
 static void forget_begin(int kind, uint64_t key, forget *f)
 {
-    f->known = ms_tracking() && ms_track_remove(kind, key, &f->dev, &f->bytes);
+    f->known = ms_tracking() && ms_track_free_begin(kind, key, &f->ticket);
 }
 
 static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)
 {
-    if (!f->known)
-        return rc;
-    if (rc == CUDA_SUCCESS)
-        ms_uncharge(f->dev, f->bytes);
-    else
-        ms_track_add(kind, key, f->dev, f->bytes); /* the driver kept it: keep its charge */
+    int dev;
+    uint64_t bytes;
+    if (f->known && ms_track_free_end(kind, key, f->ticket, rc == CUDA_SUCCESS, &dev, &bytes))
+        ms_uncharge(dev, bytes);
     return rc;
 }
 

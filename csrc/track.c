@@ -6,7 +6,15 @@
  * mostly tombstones) once live entries plus tombstones pass 3/4 of it, so probes stay short
  * and no operation scans more than a cluster. Lock hold times are a few dozen instructions,
  * hence a spinlock that yields after a while rather than a futex. An atfork handler holds
- * every shard across fork so a child never inherits a lock taken by a thread that is gone. */
+ * every shard across fork so a child never inherits a lock taken by a thread that is gone.
+ *
+ * Frees in flight (ms_track_free_begin/end): the entry is not taken out while the driver frees,
+ * it is marked FREEING with a count of the frees in flight and a ticket (the shard's generation
+ * number at marking). A second free of the same key that starts meanwhile joins it (count + 1)
+ * instead of finding nothing; each reports whether the driver freed; the last one out forgets
+ * the entry if any of them freed it (and only that caller uncharges) or makes it live again if
+ * none did. A FREEING entry is invisible to add/remove/hold: an allocation the driver hands
+ * out at the same address meanwhile gets an entry of its own. */
 #include "track.h"
 
 #include <sched.h>
@@ -18,14 +26,17 @@
 #define MS_SHARDS (1 << MS_SHARD_BITS)
 #define MS_SHARD_MIN 64
 
-enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2 };
+enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2, MS_E_FREEING = 3 };
 
 typedef struct ms_entry {
     uint64_t key;
     uint64_t bytes;
     uint64_t aux;
     int32_t dev;
-    int32_t holds; /* references that keep the entry (see ms_track_hold) */
+    int32_t holds;   /* references that keep the entry (see ms_track_hold) */
+    uint32_t ticket; /* FREEING: which marking this is */
+    uint16_t freers; /* FREEING: frees in flight */
+    uint8_t freed;   /* FREEING: one of them was done by the driver */
     uint8_t state;
     uint8_t kind;
 } ms_entry;
@@ -33,7 +44,8 @@ typedef struct ms_entry {
 typedef struct ms_shard {
     int lock;
     uint32_t cap; /* power of two, or 0 before the first add */
-    uint32_t live, tombs;
+    uint32_t live, tombs; /* live: FULL and FREEING entries */
+    uint32_t tickets;     /* the last ticket handed out */
     ms_entry *e;
 } __attribute__((aligned(64))) ms_shard;
 
@@ -90,11 +102,28 @@ static int64_t ms_find(const ms_shard *s, int kind, uint64_t key, uint64_t h) {
     return -1;
 }
 
+/* Slot of the FREEING entry of (kind, key) with `ticket`, or (ticket 0) the most recently marked
+ * one; -1 if none. */
+static int64_t ms_find_freeing(const ms_shard *s, int kind, uint64_t key, uint64_t h, uint32_t ticket) {
+    if (s->cap == 0) return -1;
+    uint32_t mask = s->cap - 1;
+    int64_t best = -1;
+    for (uint32_t i = (uint32_t)h & mask, n = 0; n < s->cap; i = (i + 1) & mask, n++) {
+        const ms_entry *e = &s->e[i];
+        if (e->state == MS_E_EMPTY) break;
+        if (e->state != MS_E_FREEING || e->key != key || e->kind != kind) continue;
+        if (ticket != 0 && e->ticket == ticket) return i;
+        if (ticket == 0 && (best < 0 || (int32_t)(e->ticket - s->e[best].ticket) > 0)) best = i;
+    }
+    return best;
+}
+
+static int ms_in_use(const ms_entry *e) { return e->state == MS_E_FULL || e->state == MS_E_FREEING; }
+
 static void ms_put(ms_entry *tab, uint32_t cap, const ms_entry *src, uint64_t h) {
     uint32_t mask = cap - 1, i = (uint32_t)h & mask;
-    while (tab[i].state == MS_E_FULL) i = (i + 1) & mask;
+    while (tab[i].state != MS_E_EMPTY) i = (i + 1) & mask;
     tab[i] = *src;
-    tab[i].state = MS_E_FULL;
 }
 
 static int ms_grow(ms_shard *s) {
@@ -103,7 +132,7 @@ static int ms_grow(ms_shard *s) {
     ms_entry *tab = calloc(cap, sizeof *tab);
     if (tab == NULL) return -1;
     for (uint32_t i = 0; i < s->cap; i++)
-        if (s->e[i].state == MS_E_FULL) ms_put(tab, cap, &s->e[i], ms_mix(s->e[i].kind, s->e[i].key));
+        if (ms_in_use(&s->e[i])) ms_put(tab, cap, &s->e[i], ms_mix(s->e[i].kind, s->e[i].key));
     free(s->e);
     s->e = tab;
     s->cap = cap;
@@ -126,7 +155,7 @@ int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t a
         rc = -1;
     } else {
         uint32_t mask = s->cap - 1, i = (uint32_t)h & mask;
-        while (s->e[i].state == MS_E_FULL) i = (i + 1) & mask;
+        while (ms_in_use(&s->e[i])) i = (i + 1) & mask;
         if (s->e[i].state == MS_E_TOMB) s->tombs--;
         s->e[i] = (ms_entry){.key = key, .bytes = bytes, .aux = aux, .dev = dev, .holds = 1, .state = MS_E_FULL,
                              .kind = (uint8_t)kind};
@@ -174,6 +203,50 @@ int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes) 
         s->e[at].holds = (int32_t)(holds > INT32_MAX ? INT32_MAX : holds < 0 ? 0 : holds);
         rc = holds <= 0;
         if (rc) ms_forget(s, at, dev, bytes, NULL);
+    }
+    ms_spin_unlock(&s->lock);
+    return rc;
+}
+
+int ms_track_free_begin(int kind, uint64_t key, uint32_t *ticket) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find(s, kind, key, h);
+    if (at >= 0) {
+        ms_entry *e = &s->e[at];
+        if (++s->tickets == 0) s->tickets = 1; /* 0 means "any" to ms_find_freeing */
+        e->state = MS_E_FREEING;
+        e->ticket = s->tickets;
+        e->freers = 1;
+        e->freed = 0;
+    } else if ((at = ms_find_freeing(s, kind, key, h, 0)) >= 0 && s->e[at].freers < UINT16_MAX) {
+        s->e[at].freers++; /* another free of this key is in flight: join it */
+    } else {
+        at = -1;
+    }
+    if (at >= 0) *ticket = s->e[at].ticket;
+    ms_spin_unlock(&s->lock);
+    return at >= 0;
+}
+
+int ms_track_free_end(int kind, uint64_t key, uint32_t ticket, int freed, int *dev, uint64_t *bytes) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    int rc = 0;
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find_freeing(s, kind, key, h, ticket);
+    if (at >= 0) {
+        ms_entry *e = &s->e[at];
+        e->freed |= freed != 0;
+        if (--e->freers == 0) {
+            if (e->freed) {
+                ms_forget(s, at, dev, bytes, NULL);
+                rc = 1;
+            } else {
+                e->state = MS_E_FULL; /* the driver kept it: so does the tracker */
+            }
+        }
     }
     ms_spin_unlock(&s->lock);
     return rc;

@@ -25,4 +25,16 @@ int ms_track_remove_aux(int kind, uint64_t key, int *dev, uint64_t *bytes, uint6
  * the entry is then forgotten and *dev, *bytes say what it was charged with. */
 int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes);
 
+/* A free of (kind, key) around the driver's free, safe when several threads free one key at
+ * once (a program's racing double free: the driver frees it once and refuses the others).
+ * ms_track_free_begin, before the driver is asked: 1 and a ticket if the key is known (its entry
+ * stays, marked as being freed, so that a free of the same key starting meanwhile joins this one
+ * instead of finding nothing), else 0 (forward the free, nothing to give back).
+ * ms_track_free_end, after it answered (`freed`: it freed): the last of the frees in flight of
+ * one entry settles it. If any of them freed, the entry is forgotten and that caller alone gets 1
+ * and *dev, *bytes (to uncharge exactly once); if none did, the entry is live again. Every other
+ * call returns 0. */
+int ms_track_free_begin(int kind, uint64_t key, uint32_t *ticket);
+int ms_track_free_end(int kind, uint64_t key, uint32_t ticket, int freed, int *dev, uint64_t *bytes);
+
 #endif

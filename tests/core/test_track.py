@@ -106,3 +106,70 @@ def test_many_threads_with_keys_handed_between_them(core_bin: Path, variant: str
     assert proc.stdout.startswith("ok adds=")
     adds = int(proc.stdout.split("adds=")[1].split()[0])
     assert adds > 8 * int(ops) // 3
+
+
+def ticket(proc: LineProc, kind: int, key: int) -> int:
+    answer = proc.ask(f"b {kind} {key}")
+    assert answer.startswith("1 "), answer
+    return int(answer.split()[1])
+
+
+def test_racing_frees_of_one_key_give_it_back_exactly_once(trackers: list[LineProc]) -> None:
+    """Two frees of one key in flight at once (a program's racing double free): whichever order
+    the driver's answers come in, exactly one caller gets the charge back, and only if the driver
+    freed; the second free joins the first instead of finding nothing."""
+    key = 0x7E0000000000
+    for proc in trackers:
+        # the first free to be answered freed, the last was refused: the last one out gives it back
+        assert proc.ask(f"a 0 {key} 3 100") == "ok"
+        t = ticket(proc, 0, key)
+        assert ticket(proc, 0, key) == t  # joined
+        assert proc.ask(f"e 0 {key} {t} 1") == "0"
+        assert proc.ask(f"e 0 {key} {t} 0") == "1 3 100"
+        assert proc.ask(f"r 0 {key}") == "0" and proc.ask(f"b 0 {key}") == "0"
+        # refused first, freed last
+        assert proc.ask(f"a 0 {key} 3 100") == "ok"
+        t = ticket(proc, 0, key)
+        assert ticket(proc, 0, key) == t
+        assert proc.ask(f"e 0 {key} {t} 0") == "0"
+        assert proc.ask(f"e 0 {key} {t} 1") == "1 3 100"
+        assert proc.ask(f"r 0 {key}") == "0"
+        # every free refused: the entry is live again, with its values
+        assert proc.ask(f"a 0 {key} 3 100") == "ok"
+        t = ticket(proc, 0, key)
+        assert ticket(proc, 0, key) == t
+        assert proc.ask(f"e 0 {key} {t} 0") == "0"
+        assert proc.ask(f"e 0 {key} {t} 0") == "0"
+        assert proc.ask(f"r 0 {key}") == "1 3 100"
+        # one free alone
+        assert proc.ask(f"a 1 {key} 2 50") == "ok"
+        t = ticket(proc, 1, key)
+        assert proc.ask(f"e 1 {key} {t} 1") == "1 2 50"
+        assert proc.ask(f"b 1 {key}") == "0"
+
+
+def test_an_address_handed_out_again_while_a_free_is_in_flight_is_a_new_entry(trackers: list[LineProc]) -> None:
+    key = 0x7E0000001000
+    for proc in trackers:
+        assert proc.ask(f"a 0 {key} 1 100") == "ok"
+        old = ticket(proc, 0, key)
+        # the driver freed it and gave the address to a new allocation before this free returned
+        assert proc.ask(f"a 0 {key} 2 200") == "ok"
+        new = ticket(proc, 0, key)  # a free of the new allocation marks the new entry
+        assert new != old
+        assert proc.ask(f"e 0 {key} {old} 1") == "1 1 100"
+        assert proc.ask(f"e 0 {key} {new} 1") == "1 2 200"
+        assert proc.ask(f"r 0 {key}") == "0"
+
+
+def test_entries_being_freed_survive_the_table_growing(trackers: list[LineProc]) -> None:
+    base = 0x7D0000000000
+    n = 3000
+    for proc in trackers:
+        assert ask_many(proc, [f"a 0 {base + i * 512} {i % 8} {i + 1}" for i in range(n)]) == ["ok"] * n
+        tickets = [int(a.split()[1]) for a in ask_many(proc, [f"b 0 {base + i * 512}" for i in range(n)])]
+        more = 0x7C0000000000  # grows every shard while those are in flight
+        assert ask_many(proc, [f"a 0 {more + i * 512} 0 1" for i in range(4 * n)]) == ["ok"] * (4 * n)
+        got = ask_many(proc, [f"e 0 {base + i * 512} {tickets[i]} 1" for i in range(n)])
+        assert got == [f"1 {i % 8} {i + 1}" for i in range(n)]
+        assert ask_many(proc, [f"r 0 {more + i * 512}" for i in range(4 * n)]) == ["1 0 1"] * (4 * n)

@@ -3,7 +3,9 @@
  *   track_test ops        stdin lines "a KIND KEY DEV BYTES" / "r KIND KEY" / "h KIND KEY DELTA";
  *                         answers "ok"/"fail" for adds, "1 DEV BYTES" or "0" for removes and
  *                         for holds that reached zero, "held" or "unknown" for other holds
- *                         (Python keeps the model).
+ *                         (Python keeps the model); "b KIND KEY" (ms_track_free_begin: "1 TICKET"
+ *                         or "0"), "e KIND KEY TICKET FREED" (ms_track_free_end: "1 DEV BYTES"
+ *                         or "0").
  *   track_test threads N OPS SEED
  *                         N threads each run OPS random adds/removes on keys of their own plus
  *                         keys handed over between threads, checked against per-thread models;
@@ -37,6 +39,19 @@ static int ops(void) {
                 printf("1 %d %llu\n", d, (unsigned long long)b);
             else
                 printf("%s\n", rc == 0 ? "held" : "unknown");
+        } else if (sscanf(line, "b %d %llu", &kind, &key) == 2) {
+            uint32_t ticket = 0;
+            if (ms_track_free_begin(kind, key, &ticket))
+                printf("1 %u\n", (unsigned)ticket);
+            else
+                printf("0\n");
+        } else if (sscanf(line, "e %d %llu %llu %d", &kind, &key, &bytes, &dev) == 4) {
+            int d = -7;
+            uint64_t b = 7;
+            if (ms_track_free_end(kind, key, (uint32_t)bytes, dev, &d, &b))
+                printf("1 %d %llu\n", d, (unsigned long long)b);
+            else
+                printf("0\n");
         } else {
             printf("what? %s", line);
         }
