@@ -3,11 +3,16 @@
  *
  * Which device pays:
  *  - cuMemCreate (hooks_vmm.c): prop->location.id when location.type is DEVICE;
- *  - every other allocation: the device of the calling thread's current context
- *    (cuCtxGetDevice). If that fails while caps are set, the allocation is refused with the
- *    error cuCtxGetDevice returned (e.g. CUDA_ERROR_INVALID_CONTEXT), without calling the
- *    driver: the driver refuses an allocation without a current context for the same
- *    reason, and forwarding it uncharged could let memory past the cap. Async and pool
+ *  - every other allocation: the device of the calling thread's current context. In a process
+ *    that sees one device (cuDeviceGetCount == 1, fixed once cuInit has succeeded) every
+ *    context is on device 0, so that is charged without asking the driver on each allocation;
+ *    an allocation without a current context is then charged, refused by the driver
+ *    (CUDA_ERROR_INVALID_CONTEXT) and rolled back. With several devices the driver is asked
+ *    (cuCtxGetDevice); if that fails while caps are set, the allocation is refused with the
+ *    error cuCtxGetDevice returned, without calling the driver: the driver refuses an
+ *    allocation without a current context for the same reason, and forwarding it uncharged
+ *    could let memory past the cap. (A per-thread cache keyed by the current CUcontext would
+ *    not be safe: a destroyed context's handle can come back for another device.) Async and pool
  *    allocations are charged to the current context's device too (the stream's or pool's
  *    device is the same in the usual one-device-per-process set-up).
  *  - Managed memory is charged in full to the current device; pool allocations are charged
@@ -38,6 +43,30 @@ static void report_over_cap(const char *fn, int dev, uint64_t cap, uint64_t in_u
                    fn, dev, (unsigned long long)cap, (unsigned long long)in_use, (unsigned long long)bytes);
 }
 
+/* 1 once the driver said this process sees exactly one device, -1 once it said more, 0 while
+ * it cannot say (before cuInit). The set of devices is fixed once cuInit has succeeded. */
+static int g_one_device;
+
+/* The device of the calling thread's current context (see the top of the file). */
+static CUresult current_device(int *dev)
+{
+    int one = __atomic_load_n(&g_one_device, __ATOMIC_RELAXED);
+    if (one == 0) {
+        ms_cuDeviceGetCount_fn count = (ms_cuDeviceGetCount_fn)ms_real_fn(MS_ID_cuDeviceGetCount);
+        int n = 0;
+        if (count != NULL && count(&n) == CUDA_SUCCESS && n > 0)
+            __atomic_store_n(&g_one_device, one = n == 1 ? 1 : -1, __ATOMIC_RELAXED);
+    }
+    if (one == 1) {
+        *dev = 0;
+        return CUDA_SUCCESS;
+    }
+    ms_cuCtxGetDevice_fn get = (ms_cuCtxGetDevice_fn)ms_real_fn(MS_ID_cuCtxGetDevice);
+    if (get == NULL)
+        return ms_no_driver("cuCtxGetDevice");
+    return get(dev);
+}
+
 /* Decide whether `bytes` may be allocated on `dev` (or, dev < 0, the current context's
  * device) and charge them. CUDA_SUCCESS (c->charged says if anything was charged), or the
  * error to return without calling the driver. */
@@ -52,10 +81,7 @@ CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
     if (s->limits.count == 0)
         return CUDA_SUCCESS;
     if (dev < 0) {
-        ms_cuCtxGetDevice_fn get = (ms_cuCtxGetDevice_fn)ms_real_fn(MS_ID_cuCtxGetDevice);
-        if (get == NULL)
-            return ms_no_driver("cuCtxGetDevice");
-        CUresult rc = get(&dev);
+        CUresult rc = current_device(&dev);
         if (rc != CUDA_SUCCESS) {
             ms_log_limited(&g_refuse_rl, MS_LOG_INFO, "%s refused with %d: cuCtxGetDevice failed (no current context?)",
                            fn, rc);
