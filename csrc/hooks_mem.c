@@ -43,6 +43,26 @@ static void report_over_cap(const char *fn, int dev, uint64_t cap, uint64_t in_u
                    fn, dev, (unsigned long long)cap, (unsigned long long)in_use, (unsigned long long)bytes);
 }
 
+/* What the hot path needs of the configuration, which is read once (state.h) and then fixed:
+ * one word to read per call instead of the disabled flag and the state. */
+enum { HOT_UNKNOWN = 0, HOT_PASS, HOT_BAD, HOT_CAPPED };
+static int g_hot;
+
+static int hot_mode(void)
+{
+    int m = __atomic_load_n(&g_hot, __ATOMIC_ACQUIRE);
+    if (m != HOT_UNKNOWN)
+        return m;
+    if (ms_disabled()) {
+        m = HOT_PASS;
+    } else {
+        const ms_state *s = ms_state_get();
+        m = s->limits_bad ? HOT_BAD : s->limits.count == 0 ? HOT_PASS : HOT_CAPPED;
+    }
+    __atomic_store_n(&g_hot, m, __ATOMIC_RELEASE);
+    return m;
+}
+
 /* 1 once the driver said this process sees exactly one device, -1 once it said more, 0 while
  * it cannot say (before cuInit). The set of devices is fixed once cuInit has succeeded. */
 static int g_one_device;
@@ -73,13 +93,12 @@ static CUresult current_device(int *dev)
 CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
 {
     c->charged = 0;
-    if (ms_disabled())
+    int mode = hot_mode();
+    if (mode == HOT_PASS)
         return CUDA_SUCCESS;
-    const ms_state *s = ms_state_get();
-    if (s->limits_bad) /* the one line was printed when the variable was read */
+    if (mode == HOT_BAD) /* the one line was printed when the variable was read */
         return CUDA_ERROR_OUT_OF_MEMORY;
-    if (s->limits.count == 0)
-        return CUDA_SUCCESS;
+    const ms_state *s = ms_state_get();
     if (dev < 0) {
         CUresult rc = current_device(&dev);
         if (rc != CUDA_SUCCESS) {
@@ -116,7 +135,7 @@ CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
     return CUDA_SUCCESS;
 }
 
-int ms_tracking(void) { return !ms_disabled() && ms_state_get()->limits.count > 0; }
+int ms_tracking(void) { return hot_mode() == HOT_CAPPED; }
 
 void ms_uncharge(int dev, uint64_t bytes)
 {
