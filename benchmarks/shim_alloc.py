@@ -19,7 +19,7 @@ aggregate: inverse throughput); median of the R runs, best run in the JSON too. 
 the shim's median minus the bare median, "ratio" the shim's over the bare. The bare figure is
 the fake driver's own cost; calls/pair counts the driver calls made per pair (2 = the pair
 itself, more = lookups the shim makes through the driver). Prints a table; --json writes every
-run.
+run, --markdown the table as docs/benchmarks.md shows it.
 """
 
 from __future__ import annotations
@@ -49,8 +49,17 @@ def _run(cmd: list[str]) -> None:
 def build(work: Path, want_shim: bool) -> tuple[Path, Path, Path, Path | None]:
     """The fake driver's directory, the plain and linked clients, and the checkout's shim if wanted."""
     fake = work / "fake"
-    _run(["make", "-s", "-C", str(REPO / "tests/fakes"), f"OUT_DIR={fake}", "LDFLAGS=-shared -Wl,-Bsymbolic-functions",
-          "cuda"])
+    _run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(REPO / "tests/fakes"),
+            f"OUT_DIR={fake}",
+            "LDFLAGS=-shared -Wl,-Bsymbolic-functions",
+            "cuda",
+        ]
+    )
     src = str(REPO / "benchmarks/shim_alloc.c")
     flags = ["cc", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror"]
     plain, linked = work / "shim_alloc", work / "shim_alloc_link"
@@ -81,16 +90,22 @@ def int_list(text: str, name: str, allowed: set[int] | None = None) -> list[int]
     except ValueError:
         raise SystemExit(f"--{name} {text!r}: expected comma-separated integers") from None
     if not values or any(v < 1 for v in values) or (allowed and any(v not in allowed for v in values)):
-        raise SystemExit(f"--{name} {text!r}: expected comma-separated integers >= 1" +
-                         (f" among {sorted(allowed)}" if allowed else ""))
+        raise SystemExit(
+            f"--{name} {text!r}: expected comma-separated integers >= 1"
+            + (f" among {sorted(allowed)}" if allowed else "")
+        )
     return values
 
 
 def run_shape(exe: Path, env: dict[str, str], shape: dict[str, Any], pairs: int, warmup: int) -> dict[str, Any]:
     """One run of a shape: its processes start their timed part together; returns the combined figures."""
     argv = [str(exe), shape["path"], str(shape["threads"]), str(pairs), str(shape["bytes"]), str(warmup), "wait"]
-    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(shape["procs"])]
+    procs = [
+        subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(shape["procs"])
+    ]
     try:
         for p in procs:
             assert p.stdout is not None
@@ -116,9 +131,14 @@ def run_shape(exe: Path, env: dict[str, str], shape: dict[str, Any], pairs: int,
     if refused:
         raise RuntimeError(f"{refused} allocations were refused: the benchmark's cap is too small")
     wall = max(r["wall_end_ns"] for r in rows) - min(r["wall_start_ns"] for r in rows)
-    calls = {name: sum(r["calls_per_pair"][name] * r["pairs"] for r in rows) / total for name in rows[0]["calls_per_pair"]}
-    return {"wall_ns_per_pair": wall / total, "cpu_ns_per_pair": sum(r["cpu_ns"] for r in rows) / total,
-            "calls_per_pair": calls}
+    calls = {
+        name: sum(r["calls_per_pair"][name] * r["pairs"] for r in rows) / total for name in rows[0]["calls_per_pair"]
+    }
+    return {
+        "wall_ns_per_pair": wall / total,
+        "cpu_ns_per_pair": sum(r["cpu_ns"] for r in rows) / total,
+        "calls_per_pair": calls,
+    }
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,10 +152,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def measure(args: argparse.Namespace, shims: dict[str, Path], fake: Path, plain: Path, linked: Path,
-            work: Path) -> list[dict[str, Any]]:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE", "MPSSHIM_REGION")}
+def measure(
+    args: argparse.Namespace, shims: dict[str, Path], fake: Path, plain: Path, linked: Path, work: Path
+) -> list[dict[str, Any]]:
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE", "MPSSHIM_REGION")
+    }
     bare_env = {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
     results = []
     shapes = itertools.product(args.paths, args.sizes, args.threads, args.procs)
@@ -144,12 +168,15 @@ def measure(args: argparse.Namespace, shims: dict[str, Path], fake: Path, plain:
         exe = linked if path == "link" else plain
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label in ["bare", *shims]}
         for r in range(args.rounds):
-            for label in runs:
+            for label, done in runs.items():
                 env = dict(bare_env)
                 if label != "bare":
-                    env.update(LD_PRELOAD=str(shims[label]), CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=8G",
-                               MPSSHIM_REGION=str(work / f"{label}-{n}-{r}.region"))
-                runs[label].append(run_shape(exe, env, shape, args.pairs, args.warmup))
+                    env.update(
+                        LD_PRELOAD=str(shims[label]),
+                        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=8G",
+                        MPSSHIM_REGION=str(work / f"{label}-{n}-{r}.region"),
+                    )
+                done.append(run_shape(exe, env, shape, args.pairs, args.warmup))
         bare = summarise(runs.pop("bare"))
         row: dict[str, Any] = {**shape, "bare": bare, "shims": {}}
         for label, rs in runs.items():
@@ -173,20 +200,51 @@ def header(labels: list[str]) -> str:
 
 def table_row(row: dict[str, Any], labels: list[str]) -> str:
     bare = row["bare"]
-    line = (f"{row['path']:<6} {row['bytes']:>8} {row['threads']:>3} {row['procs']:>4} "
-            f"{bare['wall_ns_per_pair']:>8.1f} {sum(bare['calls_per_pair'].values()):>5.2f}")
+    line = (
+        f"{row['path']:<6} {row['bytes']:>8} {row['threads']:>3} {row['procs']:>4} "
+        f"{bare['wall_ns_per_pair']:>8.1f} {sum(bare['calls_per_pair'].values()):>5.2f}"
+    )
     for label in labels:
         s = row["shims"][label]
         mark = "!" if s["added_ns"] > s["target_ns"] else " "
-        line += (f" | {s['wall_ns_per_pair']:>14.1f} {s['added_ns']:>6.1f}{mark} {s['ratio']:>5.2f} "
-                 f"{sum(s['calls_per_pair'].values()):>5.2f}")
+        line += (
+            f" | {s['wall_ns_per_pair']:>14.1f} {s['added_ns']:>6.1f}{mark} {s['ratio']:>5.2f} "
+            f"{sum(s['calls_per_pair'].values()):>5.2f}"
+        )
     return line
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The docs/benchmarks.md table: median ns per pair, added and ratio per shim."""
+    labels = list(report["shims"])
+    head = ["path", "bytes", "thr", "proc", "bare ns"] + [
+        f"{label} {col}" for label in labels for col in ("ns", "added", "ratio")
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in report["results"]:
+        cells = [
+            row["path"],
+            str(row["bytes"]),
+            str(row["threads"]),
+            str(row["procs"]),
+            f"{row['bare']['wall_ns_per_pair']:.1f}",
+        ]
+        for label in labels:
+            s = row["shims"][label]
+            cells += [f"{s['wall_ns_per_pair']:.1f}", f"{s['added_ns']:.1f}", f"{s['ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shim", action="append", default=[], metavar="LABEL=PATH",
-                    help="a libmpsshim.so to measure (repeat to compare); default: build this checkout's")
+    ap.add_argument(
+        "--shim",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="a libmpsshim.so to measure (repeat to compare); default: build this checkout's",
+    )
     ap.add_argument("--paths", default="link,dlsym,gpa", help="how the client reaches the driver")
     ap.add_argument("--sizes", default="4096,1048576", help="allocation sizes in bytes")
     ap.add_argument("--threads", default="1,8", help="threads per process")
@@ -195,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="runs per shape and library (default 5)")
     ap.add_argument("--warmup", type=int, default=2000, help="untimed pairs per thread first (default 2000)")
     ap.add_argument("--json", type=Path, help="write every figure and run here")
+    ap.add_argument("--markdown", type=Path, help="write the table for docs/benchmarks.md here")
     args = ap.parse_args(argv)
     paths = args.paths.split(",")
     if not paths or any(p not in ("link", "dlsym", "gpa") for p in paths):
@@ -212,14 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         if own is not None:
             shims = {"shim": own}
         load = os.getloadavg()
-        print(f"alloc+free pairs, {args.pairs} per thread per run, median of {args.rounds} runs; "
-              f"{os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        print(
+            f"alloc+free pairs, {args.pairs} per thread per run, median of {args.rounds} runs; "
+            f"{os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
         print(header(list(shims)))
         results = measure(args, shims, fake, plain, linked, work)
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"cpus": os.cpu_count(), "load_before": list(load), "load_after": list(os.getloadavg()),
-                    "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_before": list(load),
+            "load_after": list(os.getloadavg()),
+            "platform": platform.platform(),
+        },
         "settings": {"pairs_per_thread": args.pairs, "rounds": args.rounds, "warmup_per_thread": args.warmup},
         "targets_ns_added": {"single_thread": TARGET_ONE, "threads": TARGET_MANY},
         "shims": {label: str(path) for label, path in shims.items()},
@@ -227,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
     return 0
 
 

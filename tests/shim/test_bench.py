@@ -18,15 +18,30 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_every_shape_is_measured_bare_and_under_each_shim(shim_lib: Path, tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    proc = run_bench("--shim", f"before={shim_lib}", "--shim", f"after={shim_lib}", "--pairs", "300", "--rounds", "1",
-                     "--warmup", "10", "--json", str(out))
+    out, table = tmp_path / "bench.json", tmp_path / "bench.md"
+    proc = run_bench(
+        "--shim",
+        f"before={shim_lib}",
+        "--shim",
+        f"after={shim_lib}",
+        "--pairs",
+        "300",
+        "--rounds",
+        "1",
+        "--warmup",
+        "10",
+        "--json",
+        str(out),
+        "--markdown",
+        str(table),
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["shims"] == {"before": str(shim_lib), "after": str(shim_lib)}
     shapes = {(r["path"], r["bytes"], r["threads"], r["procs"]) for r in report["results"]}
-    assert shapes == {(p, b, t, n) for p in ("link", "dlsym", "gpa") for b in (4096, 1 << 20) for t in (1, 8)
-                      for n in (1, 2)}
+    assert shapes == {
+        (p, b, t, n) for p in ("link", "dlsym", "gpa") for b in (4096, 1 << 20) for t in (1, 8) for n in (1, 2)
+    }
     for row in report["results"]:
         pairs = 300 * row["threads"] * row["procs"]
         for fig in [row["bare"], *row["shims"].values()]:
@@ -40,6 +55,11 @@ def test_every_shape_is_measured_bare_and_under_each_shim(shim_lib: Path, tmp_pa
             assert s["ratio"] == s["wall_ns_per_pair"] / row["bare"]["wall_ns_per_pair"]
             assert s["calls_per_pair"]["cuCtxGetDevice"] == 0  # one device: no lookup per allocation
             assert s["target_ns"] == (100 if row["threads"] * row["procs"] == 1 else 200)
+    md = table.read_text().splitlines()
+    assert md[0].startswith(
+        "| path | bytes | thr | proc | bare ns | before ns | before added | before ratio | after ns"
+    )
+    assert len(md) == 2 + len(shapes) and all(line.count("|") == 12 for line in md)
     lines = proc.stdout.splitlines()
     assert "before" in lines[1] and "after" in lines[1] and len(lines) == 2 + len(shapes)
 

@@ -13,7 +13,9 @@ MODES = ["link", "dlsym", "gpa", "gpa2"]
 @pytest.mark.parametrize("mode", MODES)
 def test_one_device_is_charged_without_a_device_lookup_per_allocation(shim: ShimEnv, mode: str) -> None:
     script = ["init", "ctx", 0, "alloc", 512 * M, "alloc", 256 * M, "usage", 0, "alloc", 512 * M, "free", "free"]
-    r = shim.run(mode, [*script, "usage", 0, "calls", "cuCtxGetDevice"], limit="0=1G", extra={"FAKE_CUDA_DEVICES": "16G"})
+    r = shim.run(
+        mode, [*script, "usage", 0, "calls", "cuCtxGetDevice"], limit="0=1G", extra={"FAKE_CUDA_DEVICES": "16G"}
+    )
     assert r.rcs("alloc") == [0, 0, 2]
     assert [line["used"] for line in r.of("usage")] == [768 * M, 0]
     assert r.of("calls")[0]["n"] == 0
