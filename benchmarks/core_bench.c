@@ -34,10 +34,10 @@ static void *track_loop(void *arg) {
     uint64_t base = (uint64_t)(uintptr_t)arg << 40;
     for (long i = 0; i < iters; i++) {
         uint64_t key = base + (uint64_t)(i & 1023) * 512;
-        uint32_t ticket;
+        uint64_t ticket;
         int dev;
         uint64_t bytes;
-        if (ms_track_add(MS_TRACK_PTR, key, 0, 4096) != 0) abort();
+        if (ms_track_add_ptr(key, 0, 4096) != 0) abort();
         if (!ms_track_free_begin(MS_TRACK_PTR, key, &ticket)) abort();
         if (!ms_track_free_end(MS_TRACK_PTR, key, ticket, 1, &dev, &bytes) || bytes != 4096) abort();
     }

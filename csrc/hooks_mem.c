@@ -171,7 +171,7 @@ CUresult ms_charge_end(const char *fn, ms_charge *c, CUresult rc, int kind, uint
         ms_uncharge(c->dev, c->bytes);
         return rc;
     }
-    if (ms_track_add(kind, key, c->dev, c->bytes) != 0) {
+    if ((kind == MS_TRACK_PTR ? ms_track_add_ptr(key, c->dev, c->bytes) : ms_track_add(kind, key, c->dev, c->bytes)) != 0) {
         undo_alloc(undo, key);
         ms_uncharge(c->dev, c->bytes);
         ms_log(MS_LOG_ERROR, "%s refused: no memory to remember the allocation", fn);
@@ -182,7 +182,7 @@ CUresult ms_charge_end(const char *fn, ms_charge *c, CUresult rc, int kind, uint
 
 typedef struct forget {
     int known;
-    uint32_t ticket;
+    uint64_t ticket;
 } forget;
 
 /* The allocation stays in the table, marked as being freed, while the driver frees it: a racing

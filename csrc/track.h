@@ -34,7 +34,12 @@ int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes);
  * one entry settles it. If any of them freed, the entry is forgotten and that caller alone gets 1
  * and *dev, *bytes (to uncharge exactly once); if none did, the entry is live again. Every other
  * call returns 0. */
-int ms_track_free_begin(int kind, uint64_t key, uint32_t *ticket);
-int ms_track_free_end(int kind, uint64_t key, uint32_t ticket, int freed, int *dev, uint64_t *bytes);
+int ms_track_free_begin(int kind, uint64_t key, uint64_t *ticket);
+int ms_track_free_end(int kind, uint64_t key, uint64_t ticket, int freed, int *dev, uint64_t *bytes);
+
+/* ms_track_add for a device pointer (MS_TRACK_PTR) on the shim's hot path: lock-free (track.c).
+ * Such an entry is found by ms_track_free_begin/end only (not by ms_track_remove/hold), and a
+ * pointer added twice without a free between is two entries rather than replaced. */
+int ms_track_add_ptr(uint64_t key, int dev, uint64_t bytes);
 
 #endif
