@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.core.conftest import VARIANTS, LineProc, driver_env
+from tests.core.conftest import HERE, VARIANTS, LineProc, driver_env
 
 # Small key space (so adds hit existing keys and removes hit absent ones), both kinds, and
 # keys that differ only in high bits or only in kind.
@@ -228,3 +228,27 @@ def test_threads_racing_to_free_one_pointer_give_it_back_exactly_once(core_bin: 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     n = int(iters)
     assert proc.stdout.split() == ["ok", f"uncharged={n - n // 5}", f"kept={n // 5}"]
+
+
+@pytest.fixture(scope="module")
+def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """track_test and csrc/track.c built with ThreadSanitizer (here, so the core Makefile stays as it is)."""
+    runtime = subprocess.run(["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True, check=False)
+    if not Path(runtime.stdout.strip()).is_absolute():
+        pytest.skip("the C compiler has no ThreadSanitizer runtime")
+    exe = tmp_path_factory.mktemp("tsan") / "track_test_tsan"
+    csrc = HERE.parent.parent / "csrc"
+    subprocess.run(
+        ["cc", "-std=gnu11", "-D_GNU_SOURCE", "-g", "-O1", "-fsanitize=thread", "-pthread", f"-I{csrc}"]
+        + [str(HERE / "track_test.c"), str(csrc / "track.c"), "-o", str(exe)],
+        check=True,
+    )
+    return exe
+
+
+@pytest.mark.parametrize("args", [["race", "4", "3000"], ["threads", "8", "20000", "5"]])
+def test_the_tracker_is_clean_under_thread_sanitizer(track_tsan: Path, args: list[str]) -> None:
+    env = {**driver_env(), "TSAN_OPTIONS": "halt_on_error=1:exitcode=66"}
+    proc = subprocess.run([track_tsan, *args], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0 and "ThreadSanitizer" not in proc.stderr, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok ")
