@@ -1,7 +1,8 @@
 /* Process-local map from an allocation (device pointer, or cuMemCreate handle) to the device
- * and size it was charged with, so a free uncharges exactly what was charged. Thread-safe,
- * no allocation on the fast path beyond amortised table growth. Unknown keys are reported as
- * such (the caller forwards the free without uncharging). */
+ * and size it was charged with, so a free uncharges exactly what was charged, once. Thread-safe;
+ * device pointers (ms_track_add_ptr, ms_track_free_begin/end) take no lock and allocate nothing
+ * after the first add; other keys use locked shards with amortised growth. Unknown keys are
+ * reported as such (the caller forwards the free without uncharging). */
 #ifndef MPSSHIM_TRACK_H
 #define MPSSHIM_TRACK_H
 
