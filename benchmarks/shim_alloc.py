@@ -1,88 +1,299 @@
-"""Cost the shim adds to an alloc+free pair (cuMemAlloc_v2 + cuMemFree_v2 on the fake driver).
+"""Cost the shim adds to a cuMemAlloc_v2 + cuMemFree_v2 pair, every shape in one run.
 
-    .venv/bin/python benchmarks/shim_alloc.py [--pairs N] [--rounds R] [--threads 1,8]
+    .venv/bin/python benchmarks/shim_alloc.py [--shim LABEL=PATH]... [--json FILE]
+        [--paths link,dlsym,gpa] [--sizes 4096,1048576] [--threads 1,8] [--procs 1,2]
+        [--pairs N] [--rounds R] [--warmup W]
 
-Builds the fake libcuda.so.1 (tests/fakes), libmpsshim.so (csrc) and benchmarks/shim_alloc.c
-into a temporary directory, then for each thread count runs the program R times bare and R times
-under LD_PRELOAD=libmpsshim.so (alternating, so drift hits both alike) with a cap the pairs
-never reach, and prints ns per pair for both, the ratio and the ns added.
-Wall ns per pair = first thread's start to last thread's end / all pairs of all threads, best
-of the R runs (other load on the machine only ever adds to it); CPU ns = the threads' own CPU
-time / all pairs, median of the R runs.
+Builds the fake libcuda.so.1 (tests/fakes, bound to itself like NVIDIA's) and the client
+benchmarks/shim_alloc.c into a temporary directory. Each --shim is a libmpsshim.so to measure
+(several: e.g. --shim before=old.so --shim after=new.so compares two builds in one run); with
+none, the shim is built from this checkout and labelled "shim". For every shape (how the client
+reaches the driver, allocation size, threads per process, processes) it runs the client R times
+bare and R times under each shim, alternating so drift hits all alike. Under a shim the cap is
+8 GiB on a 16 GiB fake device (never reached: every pair takes the whole charging path), and the
+processes of one run share one fresh region file.
+
+Figures, per shape and library: ns per pair = wall time from the first thread's start to the last
+thread's end (across the processes) / all pairs of all threads and processes (for 8 threads an
+aggregate: inverse throughput); median of the R runs, best run in the JSON too. "added" is
+the shim's median minus the bare median, "ratio" the shim's over the bare. The bare figure is
+the fake driver's own cost; calls/pair counts the driver calls made per pair (2 = the pair
+itself, more = lookups the shim makes through the driver). Prints a table; --json writes every
+run, --markdown the table as docs/benchmarks.md shows it.
 """
+
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.fakes import build_fake_cuda  # noqa: E402
-
-BYTES = 1 << 20
+TARGET_ONE, TARGET_MANY = 100.0, 200.0  # ns added per pair: single-threaded, aggregate with threads
 
 
-def build(work: Path) -> tuple[Path, Path, Path]:
-    fake = build_fake_cuda(work / "fake")
-    shim = work / "libmpsshim.so"
-    subprocess.run(["make", "-s", "-C", str(REPO / "csrc"), f"OUT={shim}", "lib"], check=True)
-    exe = work / "shim_alloc"
-    subprocess.run(
-        ["cc", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", str(REPO / "benchmarks/shim_alloc.c"),
-         "-o", str(exe), f"-L{fake}", "-lcuda", "-lpthread"],
-        check=True,
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+
+
+def build(work: Path, want_shim: bool) -> tuple[Path, Path, Path, Path | None]:
+    """The fake driver's directory, the plain and linked clients, and the checkout's shim if wanted."""
+    fake = work / "fake"
+    _run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(REPO / "tests/fakes"),
+            f"OUT_DIR={fake}",
+            "LDFLAGS=-shared -Wl,-Bsymbolic-functions",
+            "cuda",
+        ]
     )
-    return fake, shim, exe
+    src = str(REPO / "benchmarks/shim_alloc.c")
+    flags = ["cc", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror"]
+    plain, linked = work / "shim_alloc", work / "shim_alloc_link"
+    _run([*flags, src, "-o", str(plain), "-ldl", "-lpthread"])
+    _run([*flags, "-DLINKED", src, "-o", str(linked), f"-L{fake}", "-lcuda", "-ldl", "-lpthread"])
+    shim = None
+    if want_shim:
+        shim = work / "libmpsshim.so"
+        _run(["make", "-s", "-C", str(REPO / "csrc"), f"OUT={shim}", "lib"])
+    return fake, plain, linked, shim
 
 
-def parse(line: str) -> dict[str, float]:
-    return {k: float(v) for k, v in (field.split("=") for field in line.split())}
+def parse_shims(specs: list[str]) -> dict[str, Path]:
+    shims: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path or label == "bare" or label in shims:
+            raise SystemExit(f"--shim {spec!r}: expected LABEL=PATH with a new label other than 'bare'")
+        if not Path(path).is_file():
+            raise SystemExit(f"--shim {spec!r}: {path} is not a file")
+        shims[label] = Path(path).resolve()
+    return shims
 
 
-def run_once(exe: Path, env: dict[str, str], threads: int, pairs: int) -> dict[str, float]:
-    out = subprocess.run([str(exe), str(threads), str(pairs), str(BYTES)], env=env, check=True, capture_output=True, text=True)
-    result = parse(out.stdout.strip())
-    if result["refused"]:
-        raise RuntimeError(f"{result['refused']:.0f} allocations were refused: the benchmark's cap is too small")
-    return result
+def int_list(text: str, name: str, allowed: set[int] | None = None) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--{name} {text!r}: expected comma-separated integers") from None
+    if not values or any(v < 1 for v in values) or (allowed and any(v not in allowed for v in values)):
+        raise SystemExit(
+            f"--{name} {text!r}: expected comma-separated integers >= 1"
+            + (f" among {sorted(allowed)}" if allowed else "")
+        )
+    return values
+
+
+def run_shape(exe: Path, env: dict[str, str], shape: dict[str, Any], pairs: int, warmup: int) -> dict[str, Any]:
+    """One run of a shape: its processes start their timed part together; returns the combined figures."""
+    argv = [str(exe), shape["path"], str(shape["threads"]), str(pairs), str(shape["bytes"]), str(warmup), "wait"]
+    procs = [
+        subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(shape["procs"])
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"client did not start: {p.communicate(timeout=60)[1].strip()}")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = []
+    for p, (out, err) in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"client exited {p.returncode}: {err.strip()}")
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    total = sum(r["pairs"] for r in rows)
+    refused = sum(r["refused"] for r in rows)
+    if refused:
+        raise RuntimeError(f"{refused} allocations were refused: the benchmark's cap is too small")
+    wall = max(r["wall_end_ns"] for r in rows) - min(r["wall_start_ns"] for r in rows)
+    calls = {
+        name: sum(r["calls_per_pair"][name] * r["pairs"] for r in rows) / total for name in rows[0]["calls_per_pair"]
+    }
+    return {
+        "wall_ns_per_pair": wall / total,
+        "cpu_ns_per_pair": sum(r["cpu_ns"] for r in rows) / total,
+        "calls_per_pair": calls,
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    walls = [r["wall_ns_per_pair"] for r in runs]
+    return {
+        "wall_ns_per_pair": statistics.median(walls),
+        "wall_ns_per_pair_best": min(walls),
+        "cpu_ns_per_pair": statistics.median(r["cpu_ns_per_pair"] for r in runs),
+        "calls_per_pair": runs[-1]["calls_per_pair"],
+        "runs": runs,
+    }
+
+
+def measure(
+    args: argparse.Namespace, shims: dict[str, Path], fake: Path, plain: Path, linked: Path, work: Path
+) -> list[dict[str, Any]]:
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE", "MPSSHIM_REGION")
+    }
+    bare_env = {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
+    results = []
+    shapes = itertools.product(args.paths, args.sizes, args.threads, args.procs)
+    for n, (path, size, threads, nprocs) in enumerate(shapes):
+        shape = {"path": path, "bytes": size, "threads": threads, "procs": nprocs}
+        exe = linked if path == "link" else plain
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in ["bare", *shims]}
+        for r in range(args.rounds):
+            for label, done in runs.items():
+                env = dict(bare_env)
+                if label != "bare":
+                    env.update(
+                        LD_PRELOAD=str(shims[label]),
+                        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=8G",
+                        MPSSHIM_REGION=str(work / f"{label}-{n}-{r}.region"),
+                    )
+                done.append(run_shape(exe, env, shape, args.pairs, args.warmup))
+        bare = summarise(runs.pop("bare"))
+        row: dict[str, Any] = {**shape, "bare": bare, "shims": {}}
+        for label, rs in runs.items():
+            s = summarise(rs)
+            s["added_ns"] = s["wall_ns_per_pair"] - bare["wall_ns_per_pair"]
+            s["ratio"] = s["wall_ns_per_pair"] / bare["wall_ns_per_pair"]
+            s["added_cpu_ns"] = s["cpu_ns_per_pair"] - bare["cpu_ns_per_pair"]
+            s["target_ns"] = TARGET_ONE if threads * nprocs == 1 else TARGET_MANY
+            row["shims"][label] = s
+        results.append(row)
+        print(table_row(row, list(shims)), flush=True)
+    return results
+
+
+def header(labels: list[str]) -> str:
+    cols = f"{'path':<6} {'bytes':>8} {'thr':>3} {'proc':>4} {'bare ns':>8} {'calls':>5}"
+    for label in labels:
+        cols += f" | {label[:14]:>14} {'added':>7} {'ratio':>5} {'calls':>5}"
+    return cols
+
+
+def table_row(row: dict[str, Any], labels: list[str]) -> str:
+    bare = row["bare"]
+    line = (
+        f"{row['path']:<6} {row['bytes']:>8} {row['threads']:>3} {row['procs']:>4} "
+        f"{bare['wall_ns_per_pair']:>8.1f} {sum(bare['calls_per_pair'].values()):>5.2f}"
+    )
+    for label in labels:
+        s = row["shims"][label]
+        mark = "!" if s["added_ns"] > s["target_ns"] else " "
+        line += (
+            f" | {s['wall_ns_per_pair']:>14.1f} {s['added_ns']:>6.1f}{mark} {s['ratio']:>5.2f} "
+            f"{sum(s['calls_per_pair'].values()):>5.2f}"
+        )
+    return line
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The docs/benchmarks.md table: median ns per pair, added and ratio per shim."""
+    labels = list(report["shims"])
+    head = ["path", "bytes", "thr", "proc", "bare ns"] + [
+        f"{label} {col}" for label in labels for col in ("ns", "added", "ratio")
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in report["results"]:
+        cells = [
+            row["path"],
+            str(row["bytes"]),
+            str(row["threads"]),
+            str(row["procs"]),
+            f"{row['bare']['wall_ns_per_pair']:.1f}",
+        ]
+        for label in labels:
+            s = row["shims"][label]
+            cells += [f"{s['wall_ns_per_pair']:.1f}", f"{s['added_ns']:.1f}", f"{s['ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=200_000, help="pairs per thread per run (default 200000)")
-    ap.add_argument("--rounds", type=int, default=7, help="runs per configuration; medians are reported (default 7)")
-    ap.add_argument("--threads", default="1,8", help="comma-separated thread counts (default 1,8)")
+    ap.add_argument(
+        "--shim",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="a libmpsshim.so to measure (repeat to compare); default: build this checkout's",
+    )
+    ap.add_argument("--paths", default="link,dlsym,gpa", help="how the client reaches the driver")
+    ap.add_argument("--sizes", default="4096,1048576", help="allocation sizes in bytes")
+    ap.add_argument("--threads", default="1,8", help="threads per process")
+    ap.add_argument("--procs", default="1,2", help="processes sharing one region (1 or 2)")
+    ap.add_argument("--pairs", type=int, default=200_000, help="timed pairs per thread per run (default 200000)")
+    ap.add_argument("--rounds", type=int, default=5, help="runs per shape and library (default 5)")
+    ap.add_argument("--warmup", type=int, default=2000, help="untimed pairs per thread first (default 2000)")
+    ap.add_argument("--json", type=Path, help="write every figure and run here")
+    ap.add_argument("--markdown", type=Path, help="write the table for docs/benchmarks.md here")
     args = ap.parse_args(argv)
+    paths = args.paths.split(",")
+    if not paths or any(p not in ("link", "dlsym", "gpa") for p in paths):
+        raise SystemExit(f"--paths {args.paths!r}: expected a comma-separated subset of link,dlsym,gpa")
+    args.paths = paths
+    args.sizes = int_list(args.sizes, "sizes")
+    args.threads = int_list(args.threads, "threads")
+    args.procs = int_list(args.procs, "procs", {1, 2})
+    if args.pairs < 1 or args.rounds < 1 or args.warmup < 0:
+        raise SystemExit("--pairs and --rounds must be >= 1, --warmup >= 0")
+    shims = parse_shims(args.shim)
     with tempfile.TemporaryDirectory(prefix="shim-bench-") as tmp:
         work = Path(tmp)
-        fake, shim, exe = build(work)
-        base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE")}
-        bare = {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
-        shimmed = {**bare, "LD_PRELOAD": str(shim), "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8G", "MPSSHIM_REGION": str(work / "region")}
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"alloc+free pairs of {BYTES} bytes, {args.pairs} per thread, {args.rounds} runs each (wall: best run, cpu: median); {os.cpu_count()} cores, load {load}")
-        print(f"{'threads':>7} {'bare ns':>9} {'shim ns':>9} {'ratio':>6} {'added ns':>9} {'bare cpu':>9} {'shim cpu':>9} {'added cpu':>9}")
-        for threads in (int(t) for t in args.threads.split(",")):
-            runs: dict[str, list[dict[str, float]]] = {"bare": [], "shim": []}
-            for _ in range(args.rounds):
-                runs["bare"].append(run_once(exe, bare, threads, args.pairs))
-                runs["shim"].append(run_once(exe, shimmed, threads, args.pairs))
-            med = {
-                name: {"wall_ns_per_pair": min(r["wall_ns_per_pair"] for r in rs), "cpu_ns_per_pair": statistics.median(r["cpu_ns_per_pair"] for r in rs)}
-                for name, rs in runs.items()
-            }
-            b, s = med["bare"], med["shim"]
-            print(
-                f"{threads:>7} {b['wall_ns_per_pair']:>9.1f} {s['wall_ns_per_pair']:>9.1f} "
-                f"{s['wall_ns_per_pair'] / b['wall_ns_per_pair']:>6.2f} {s['wall_ns_per_pair'] - b['wall_ns_per_pair']:>9.1f} "
-                f"{b['cpu_ns_per_pair']:>9.1f} {s['cpu_ns_per_pair']:>9.1f} {s['cpu_ns_per_pair'] - b['cpu_ns_per_pair']:>9.1f}"
-            )
+        fake, plain, linked, own = build(work, want_shim=not shims)
+        if own is not None:
+            shims = {"shim": own}
+        load = os.getloadavg()
+        print(
+            f"alloc+free pairs, {args.pairs} per thread per run, median of {args.rounds} runs; "
+            f"{os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
+        print(header(list(shims)))
+        results = measure(args, shims, fake, plain, linked, work)
+    report = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_before": list(load),
+            "load_after": list(os.getloadavg()),
+            "platform": platform.platform(),
+        },
+        "settings": {"pairs_per_thread": args.pairs, "rounds": args.rounds, "warmup_per_thread": args.warmup},
+        "targets_ns_added": {"single_thread": TARGET_ONE, "threads": TARGET_MANY},
+        "shims": {label: str(path) for label, path in shims.items()},
+        "results": results,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
     return 0
 
 

@@ -9,12 +9,13 @@ typedef struct ms_entry {
     const char *name;
     ms_lib lib;
     void *hook;  /* NULL: real-only */
-    void *real;  /* resolved lazily; atomic */
     int missing; /* 1 once a lookup with the library loaded found nothing */
 } ms_entry;
 
-#define MS_H_(name, lib) [MS_ID_##name] = {#name, lib, (void *)ms_hk_##name, NULL, 0},
-#define MS_R_(name, lib) [MS_ID_##name] = {#name, lib, NULL, NULL, 0},
+void *ms_real_resolved[MS_HOOK_COUNT]; /* resolved lazily; atomic (hooks.h) */
+
+#define MS_H_(name, lib) [MS_ID_##name] = {#name, lib, (void *)ms_hk_##name, 0},
+#define MS_R_(name, lib) [MS_ID_##name] = {#name, lib, NULL, 0},
 static ms_entry g_table[MS_HOOK_COUNT] = {MS_HOOK_LIST(MS_H_, MS_R_)};
 #undef MS_H_
 #undef MS_R_
@@ -22,14 +23,14 @@ static ms_entry g_table[MS_HOOK_COUNT] = {MS_HOOK_LIST(MS_H_, MS_R_)};
 static void *resolve(enum ms_hook_id id, int load)
 {
     ms_entry *e = &g_table[id];
-    void *p = __atomic_load_n(&e->real, __ATOMIC_ACQUIRE);
+    void *p = __atomic_load_n(&ms_real_resolved[id], __ATOMIC_ACQUIRE);
     if (p != NULL || __atomic_load_n(&e->missing, __ATOMIC_RELAXED))
         return p;
     p = ms_real_lookup(e->lib, e->name, load);
     if (p == e->hook) /* never call ourselves (a lookup that fell through to our export) */
         p = NULL;
     if (p != NULL)
-        __atomic_store_n(&e->real, p, __ATOMIC_RELEASE);
+        __atomic_store_n(&ms_real_resolved[id], p, __ATOMIC_RELEASE);
     else if (ms_lib_handle(e->lib, 0) != NULL)
         __atomic_store_n(&e->missing, 1, __ATOMIC_RELAXED); /* the loaded library lacks it */
     return p;

@@ -100,10 +100,18 @@ typedef nvmlReturn_t (*ms_nvmlDeviceGetUUID_fn)(nvmlDevice_t device, char *uuid,
 typedef nvmlReturn_t (*ms_nvmlDeviceGetIndex_fn)(nvmlDevice_t device, unsigned int *index);
 
 /* The real function of hook NAME, typed like the hook (NULL if the driver has none). */
-#define MS_REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fn(MS_ID_##NAME))
+#define MS_REAL(NAME) ((__typeof(ms_hk_##NAME) *)ms_real_fast(MS_ID_##NAME))
 
 /* The real function for a table entry, resolved once (loading the library if needed). */
 void *ms_real_fn(enum ms_hook_id id);
+/* The real addresses resolved so far (written once each by hooks.c; atomic). */
+extern void *ms_real_resolved[MS_HOOK_COUNT] MS_HIDDEN;
+/* ms_real_fn without a call once resolved (every hook starts with it). */
+static inline void *ms_real_fast(enum ms_hook_id id)
+{
+    void *p = __atomic_load_n(&ms_real_resolved[id], __ATOMIC_ACQUIRE);
+    return p != NULL ? p : ms_real_fn(id);
+}
 /* Same, but never loads the library (NULL if it is not loaded). */
 void *ms_real_fn_loaded(enum ms_hook_id id);
 

@@ -3,11 +3,16 @@
  *
  * Which device pays:
  *  - cuMemCreate (hooks_vmm.c): prop->location.id when location.type is DEVICE;
- *  - every other allocation: the device of the calling thread's current context
- *    (cuCtxGetDevice). If that fails while caps are set, the allocation is refused with the
- *    error cuCtxGetDevice returned (e.g. CUDA_ERROR_INVALID_CONTEXT), without calling the
- *    driver: the driver refuses an allocation without a current context for the same
- *    reason, and forwarding it uncharged could let memory past the cap. Async and pool
+ *  - every other allocation: the device of the calling thread's current context. In a process
+ *    that sees one device (cuDeviceGetCount == 1, fixed once cuInit has succeeded) every
+ *    context is on device 0, so that is charged without asking the driver on each allocation;
+ *    an allocation without a current context is then charged, refused by the driver
+ *    (CUDA_ERROR_INVALID_CONTEXT) and rolled back. With several devices the driver is asked
+ *    (cuCtxGetDevice); if that fails while caps are set, the allocation is refused with the
+ *    error cuCtxGetDevice returned, without calling the driver: the driver refuses an
+ *    allocation without a current context for the same reason, and forwarding it uncharged
+ *    could let memory past the cap. (A per-thread cache keyed by the current CUcontext would
+ *    not be safe: a destroyed context's handle can come back for another device.) Async and pool
  *    allocations are charged to the current context's device too (the stream's or pool's
  *    device is the same in the usual one-device-per-process set-up).
  *  - Managed memory is charged in full to the current device; pool allocations are charged
@@ -38,24 +43,64 @@ static void report_over_cap(const char *fn, int dev, uint64_t cap, uint64_t in_u
                    fn, dev, (unsigned long long)cap, (unsigned long long)in_use, (unsigned long long)bytes);
 }
 
+/* What the hot path needs of the configuration, which is read once (state.h) and then fixed:
+ * one word to read per call instead of the disabled flag and the state. */
+enum { HOT_UNKNOWN = 0, HOT_PASS, HOT_BAD, HOT_CAPPED };
+static int g_hot;
+
+static int hot_mode(void)
+{
+    int m = __atomic_load_n(&g_hot, __ATOMIC_ACQUIRE);
+    if (m != HOT_UNKNOWN)
+        return m;
+    if (ms_disabled()) {
+        m = HOT_PASS;
+    } else {
+        const ms_state *s = ms_state_get();
+        m = s->limits_bad ? HOT_BAD : s->limits.count == 0 ? HOT_PASS : HOT_CAPPED;
+    }
+    __atomic_store_n(&g_hot, m, __ATOMIC_RELEASE);
+    return m;
+}
+
+/* 1 once the driver said this process sees exactly one device, -1 once it said more, 0 while
+ * it cannot say (before cuInit). The set of devices is fixed once cuInit has succeeded. */
+static int g_one_device;
+
+/* The device of the calling thread's current context (see the top of the file). */
+static CUresult current_device(int *dev)
+{
+    int one = __atomic_load_n(&g_one_device, __ATOMIC_RELAXED);
+    if (one == 0) {
+        ms_cuDeviceGetCount_fn count = (ms_cuDeviceGetCount_fn)ms_real_fn(MS_ID_cuDeviceGetCount);
+        int n = 0;
+        if (count != NULL && count(&n) == CUDA_SUCCESS && n > 0)
+            __atomic_store_n(&g_one_device, one = n == 1 ? 1 : -1, __ATOMIC_RELAXED);
+    }
+    if (one == 1) {
+        *dev = 0;
+        return CUDA_SUCCESS;
+    }
+    ms_cuCtxGetDevice_fn get = (ms_cuCtxGetDevice_fn)ms_real_fn(MS_ID_cuCtxGetDevice);
+    if (get == NULL)
+        return ms_no_driver("cuCtxGetDevice");
+    return get(dev);
+}
+
 /* Decide whether `bytes` may be allocated on `dev` (or, dev < 0, the current context's
  * device) and charge them. CUDA_SUCCESS (c->charged says if anything was charged), or the
  * error to return without calling the driver. */
 CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
 {
     c->charged = 0;
-    if (ms_disabled())
+    int mode = hot_mode();
+    if (mode == HOT_PASS)
         return CUDA_SUCCESS;
-    const ms_state *s = ms_state_get();
-    if (s->limits_bad) /* the one line was printed when the variable was read */
+    if (mode == HOT_BAD) /* the one line was printed when the variable was read */
         return CUDA_ERROR_OUT_OF_MEMORY;
-    if (s->limits.count == 0)
-        return CUDA_SUCCESS;
+    const ms_state *s = ms_state_get();
     if (dev < 0) {
-        ms_cuCtxGetDevice_fn get = (ms_cuCtxGetDevice_fn)ms_real_fn(MS_ID_cuCtxGetDevice);
-        if (get == NULL)
-            return ms_no_driver("cuCtxGetDevice");
-        CUresult rc = get(&dev);
+        CUresult rc = current_device(&dev);
         if (rc != CUDA_SUCCESS) {
             ms_log_limited(&g_refuse_rl, MS_LOG_INFO, "%s refused with %d: cuCtxGetDevice failed (no current context?)",
                            fn, rc);
@@ -90,7 +135,7 @@ CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
     return CUDA_SUCCESS;
 }
 
-int ms_tracking(void) { return !ms_disabled() && ms_state_get()->limits.count > 0; }
+int ms_tracking(void) { return hot_mode() == HOT_CAPPED; }
 
 void ms_uncharge(int dev, uint64_t bytes)
 {
@@ -126,7 +171,7 @@ CUresult ms_charge_end(const char *fn, ms_charge *c, CUresult rc, int kind, uint
         ms_uncharge(c->dev, c->bytes);
         return rc;
     }
-    if (ms_track_add(kind, key, c->dev, c->bytes) != 0) {
+    if ((kind == MS_TRACK_PTR ? ms_track_add_ptr(key, c->dev, c->bytes) : ms_track_add(kind, key, c->dev, c->bytes)) != 0) {
         undo_alloc(undo, key);
         ms_uncharge(c->dev, c->bytes);
         ms_log(MS_LOG_ERROR, "%s refused: no memory to remember the allocation", fn);
@@ -137,25 +182,23 @@ CUresult ms_charge_end(const char *fn, ms_charge *c, CUresult rc, int kind, uint
 
 typedef struct forget {
     int known;
-    int dev;
-    uint64_t bytes;
+    uint64_t ticket;
 } forget;
 
-/* Take the allocation out of the table before the driver frees it, so a racing allocation
- * that gets the same address cannot be forgotten instead. */
+/* The allocation stays in the table, marked as being freed, while the driver frees it: a racing
+ * allocation that gets the same address cannot be forgotten instead, and a second free of the
+ * same pointer racing with this one joins it, so that exactly one of them uncharges (track.h). */
 static void forget_begin(int kind, uint64_t key, forget *f)
 {
-    f->known = ms_tracking() && ms_track_remove(kind, key, &f->dev, &f->bytes);
+    f->known = ms_tracking() && ms_track_free_begin(kind, key, &f->ticket);
 }
 
 static CUresult forget_end(forget *f, CUresult rc, int kind, uint64_t key)
 {
-    if (!f->known)
-        return rc;
-    if (rc == CUDA_SUCCESS)
-        ms_uncharge(f->dev, f->bytes);
-    else
-        ms_track_add(kind, key, f->dev, f->bytes); /* the driver kept it: keep its charge */
+    int dev;
+    uint64_t bytes;
+    if (f->known && ms_track_free_end(kind, key, f->ticket, rc == CUDA_SUCCESS, &dev, &bytes))
+        ms_uncharge(dev, bytes);
     return rc;
 }
 

@@ -117,9 +117,16 @@ static void init_once(void)
            s->region_path);
 }
 
+/* Set once init_once has run: the hot path then reads one word instead of calling pthread_once. */
+static const ms_state *g_ready;
+
 const ms_state *ms_state_get(void)
 {
+    const ms_state *s = __atomic_load_n(&g_ready, __ATOMIC_ACQUIRE);
+    if (s != NULL)
+        return s;
     pthread_once(&g_once, init_once);
+    __atomic_store_n(&g_ready, &g_state, __ATOMIC_RELEASE);
     return &g_state;
 }
 

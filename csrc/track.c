@@ -6,26 +6,42 @@
  * mostly tombstones) once live entries plus tombstones pass 3/4 of it, so probes stay short
  * and no operation scans more than a cluster. Lock hold times are a few dozen instructions,
  * hence a spinlock that yields after a while rather than a futex. An atfork handler holds
- * every shard across fork so a child never inherits a lock taken by a thread that is gone. */
+ * every shard across fork so a child never inherits a lock taken by a thread that is gone.
+ *
+ * Frees in flight (ms_track_free_begin/end): the entry is not taken out while the driver frees,
+ * it is marked FREEING with a count of the frees in flight and a ticket (the shard's generation
+ * number at marking). A second free of the same key that starts meanwhile joins it (count + 1)
+ * instead of finding nothing; each reports whether the driver freed; the last one out forgets
+ * the entry if any of them freed it (and only that caller uncharges) or makes it live again if
+ * none did. A FREEING entry is invisible to add/remove/hold: an allocation the driver hands
+ * out at the same address meanwhile gets an entry of its own.
+ *
+ * Device pointers added with ms_track_add_ptr (every cuMemAlloc of the shim) live in one fixed
+ * open-addressing table instead, where each operation is a single compare-and-swap on a slot's
+ * state word and no lock is taken (end of the file). */
 #include "track.h"
 
 #include <sched.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <pthread.h>
+#include <sys/mman.h>
 
 #define MS_SHARD_BITS 6
 #define MS_SHARDS (1 << MS_SHARD_BITS)
 #define MS_SHARD_MIN 64
 
-enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2 };
+enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2, MS_E_FREEING = 3 };
 
 typedef struct ms_entry {
     uint64_t key;
     uint64_t bytes;
     uint64_t aux;
     int32_t dev;
-    int32_t holds; /* references that keep the entry (see ms_track_hold) */
+    int32_t holds;   /* references that keep the entry (see ms_track_hold) */
+    uint32_t ticket; /* FREEING: which marking this is */
+    uint16_t freers; /* FREEING: frees in flight */
+    uint8_t freed;   /* FREEING: one of them was done by the driver */
     uint8_t state;
     uint8_t kind;
 } ms_entry;
@@ -33,7 +49,8 @@ typedef struct ms_entry {
 typedef struct ms_shard {
     int lock;
     uint32_t cap; /* power of two, or 0 before the first add */
-    uint32_t live, tombs;
+    uint32_t live, tombs; /* live: FULL and FREEING entries */
+    uint32_t tickets;     /* the last ticket handed out */
     ms_entry *e;
 } __attribute__((aligned(64))) ms_shard;
 
@@ -90,11 +107,28 @@ static int64_t ms_find(const ms_shard *s, int kind, uint64_t key, uint64_t h) {
     return -1;
 }
 
+/* Slot of the FREEING entry of (kind, key) with `ticket`, or (ticket 0) the most recently marked
+ * one; -1 if none. */
+static int64_t ms_find_freeing(const ms_shard *s, int kind, uint64_t key, uint64_t h, uint32_t ticket) {
+    if (s->cap == 0) return -1;
+    uint32_t mask = s->cap - 1;
+    int64_t best = -1;
+    for (uint32_t i = (uint32_t)h & mask, n = 0; n < s->cap; i = (i + 1) & mask, n++) {
+        const ms_entry *e = &s->e[i];
+        if (e->state == MS_E_EMPTY) break;
+        if (e->state != MS_E_FREEING || e->key != key || e->kind != kind) continue;
+        if (ticket != 0 && e->ticket == ticket) return i;
+        if (ticket == 0 && (best < 0 || (int32_t)(e->ticket - s->e[best].ticket) > 0)) best = i;
+    }
+    return best;
+}
+
+static int ms_in_use(const ms_entry *e) { return e->state == MS_E_FULL || e->state == MS_E_FREEING; }
+
 static void ms_put(ms_entry *tab, uint32_t cap, const ms_entry *src, uint64_t h) {
     uint32_t mask = cap - 1, i = (uint32_t)h & mask;
-    while (tab[i].state == MS_E_FULL) i = (i + 1) & mask;
+    while (tab[i].state != MS_E_EMPTY) i = (i + 1) & mask;
     tab[i] = *src;
-    tab[i].state = MS_E_FULL;
 }
 
 static int ms_grow(ms_shard *s) {
@@ -103,7 +137,7 @@ static int ms_grow(ms_shard *s) {
     ms_entry *tab = calloc(cap, sizeof *tab);
     if (tab == NULL) return -1;
     for (uint32_t i = 0; i < s->cap; i++)
-        if (s->e[i].state == MS_E_FULL) ms_put(tab, cap, &s->e[i], ms_mix(s->e[i].kind, s->e[i].key));
+        if (ms_in_use(&s->e[i])) ms_put(tab, cap, &s->e[i], ms_mix(s->e[i].kind, s->e[i].key));
     free(s->e);
     s->e = tab;
     s->cap = cap;
@@ -111,8 +145,12 @@ static int ms_grow(ms_shard *s) {
     return 0;
 }
 
+static int ms_ptr_locked; /* a device pointer was added to the shards: lookups look there too */
+
 int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t aux) {
     uint64_t h = ms_mix(kind, key);
+    if (kind == MS_TRACK_PTR && !__atomic_load_n(&ms_ptr_locked, __ATOMIC_RELAXED))
+        __atomic_store_n(&ms_ptr_locked, 1, __ATOMIC_SEQ_CST);
     ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
     int rc = 0;
     ms_spin_lock(&s->lock);
@@ -126,7 +164,7 @@ int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t a
         rc = -1;
     } else {
         uint32_t mask = s->cap - 1, i = (uint32_t)h & mask;
-        while (s->e[i].state == MS_E_FULL) i = (i + 1) & mask;
+        while (ms_in_use(&s->e[i])) i = (i + 1) & mask;
         if (s->e[i].state == MS_E_TOMB) s->tombs--;
         s->e[i] = (ms_entry){.key = key, .bytes = bytes, .aux = aux, .dev = dev, .holds = 1, .state = MS_E_FULL,
                              .kind = (uint8_t)kind};
@@ -177,4 +215,191 @@ int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes) 
     }
     ms_spin_unlock(&s->lock);
     return rc;
+}
+
+static int ms_locked_free_begin(int kind, uint64_t key, uint32_t *ticket) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find(s, kind, key, h);
+    if (at >= 0) {
+        ms_entry *e = &s->e[at];
+        if (++s->tickets == 0) s->tickets = 1; /* 0 means "any" to ms_find_freeing */
+        e->state = MS_E_FREEING;
+        e->ticket = s->tickets;
+        e->freers = 1;
+        e->freed = 0;
+    } else if ((at = ms_find_freeing(s, kind, key, h, 0)) >= 0 && s->e[at].freers < UINT16_MAX) {
+        s->e[at].freers++; /* another free of this key is in flight: join it */
+    } else {
+        at = -1;
+    }
+    if (at >= 0) *ticket = s->e[at].ticket;
+    ms_spin_unlock(&s->lock);
+    return at >= 0;
+}
+
+static int ms_locked_free_end(int kind, uint64_t key, uint32_t ticket, int freed, int *dev, uint64_t *bytes) {
+    uint64_t h = ms_mix(kind, key);
+    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
+    int rc = 0;
+    ms_spin_lock(&s->lock);
+    int64_t at = ms_find_freeing(s, kind, key, h, ticket);
+    if (at >= 0) {
+        ms_entry *e = &s->e[at];
+        e->freed |= freed != 0;
+        if (--e->freers == 0) {
+            if (e->freed) {
+                ms_forget(s, at, dev, bytes, NULL);
+                rc = 1;
+            } else {
+                e->state = MS_E_FULL; /* the driver kept it: so does the tracker */
+            }
+        }
+    }
+    ms_spin_unlock(&s->lock);
+    return rc;
+}
+
+/* ---- Device pointers: the lock-free table ----------------------------------------------------
+ * MS_PTR_SLOTS slots reserved with mmap on first use (pages appear as they are touched). A slot's
+ * state word holds its state, generation, device, freers and freed flag; key and size sit beside
+ * it. Every transition is one CAS on the word:
+ *   add         EMPTY/TOMB -> BUSY (generation + 1), write key and size, then store FULL (release)
+ *   free_begin  FULL -> FREEING with 1 freer; or FREEING n -> n + 1 (a racing free joins)
+ *   free_end    FREEING n -> n - 1; the last: TOMB if any of them freed, else FULL again
+ * A reader loads the word (acquire), then the key; its CAS succeeding proves the word, generation
+ * included, did not change, so the slot was not reused and the key belonged to it. EMPTY never
+ * comes back, so a lookup may stop at the first EMPTY slot. A probe of MS_PTR_PROBES slots finding
+ * no room, or no table, sends the pointer to the locked shards (lookups then look there too). A
+ * pointer added twice without a free between (a free the shim did not see) is two entries. After
+ * fork a child keeps what other threads were doing: a slot left BUSY is lost to it, an entry left
+ * FREEING keeps its charge (CUDA is not usable in such a child anyway). */
+#define MS_PTR_SLOTS (1u << 16)
+#define MS_PTR_PROBES 64
+
+enum { MS_P_EMPTY = 0, MS_P_BUSY = 1, MS_P_FULL = 2, MS_P_FREEING = 3, MS_P_TOMB = 4 };
+#define P_STATE(w) ((unsigned)((w) & 7))
+#define P_DEV(w) ((int)(((w) >> 3) & 0xff))
+#define P_FREED(w) ((unsigned)(((w) >> 11) & 1))
+#define P_FREERS(w) ((unsigned)(((w) >> 12) & 0xffff))
+#define P_GEN(w) ((uint32_t)((w) >> 32))
+#define P_WORD(state, dev, freed, freers, gen) \
+    ((uint64_t)(state) | (uint64_t)(dev) << 3 | (uint64_t)(freed) << 11 | (uint64_t)(freers) << 12 | (uint64_t)(gen) << 32)
+
+typedef struct ms_pslot {
+    uint64_t word;
+    uint64_t key;
+    uint64_t bytes;
+    uint64_t pad;
+} ms_pslot;
+
+static ms_pslot *ms_ptab;
+static int ms_ptab_failed;
+
+static ms_pslot *ms_ptab_get(int create) {
+    ms_pslot *t = __atomic_load_n(&ms_ptab, __ATOMIC_ACQUIRE);
+    if (t != NULL || !create || __atomic_load_n(&ms_ptab_failed, __ATOMIC_RELAXED)) return t;
+    size_t len = (size_t)MS_PTR_SLOTS * sizeof(ms_pslot);
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) {
+        __atomic_store_n(&ms_ptab_failed, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    if (!__atomic_compare_exchange_n(&ms_ptab, &t, (ms_pslot *)m, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        munmap(m, len); /* another thread installed one first: use that (t) */
+        return t;
+    }
+    return (ms_pslot *)m;
+}
+
+static int ms_cas(uint64_t *w, uint64_t *old, uint64_t new_word) {
+    return __atomic_compare_exchange_n(w, old, new_word, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+int ms_track_add_ptr(uint64_t key, int dev, uint64_t bytes) {
+    ms_pslot *t = dev >= 0 && dev <= 0xff ? ms_ptab_get(1) : NULL;
+    uint64_t h = ms_mix(MS_TRACK_PTR, key);
+    for (uint32_t i = 0; t != NULL && i < MS_PTR_PROBES; i++) {
+        ms_pslot *p = &t[(h + i) & (MS_PTR_SLOTS - 1)];
+        uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
+        while (P_STATE(w) == MS_P_EMPTY || P_STATE(w) == MS_P_TOMB) {
+            uint32_t gen = P_GEN(w) + 1;
+            if (!ms_cas(&p->word, &w, P_WORD(MS_P_BUSY, 0, 0, 0, gen))) continue; /* w reloaded */
+            __atomic_store_n(&p->key, key, __ATOMIC_RELAXED);
+            __atomic_store_n(&p->bytes, bytes, __ATOMIC_RELAXED);
+            __atomic_store_n(&p->word, P_WORD(MS_P_FULL, dev, 0, 0, gen), __ATOMIC_RELEASE);
+            return 0;
+        }
+    }
+    return ms_track_add(MS_TRACK_PTR, key, dev, bytes); /* no room nearby, or no table */
+}
+
+/* Lock-free free_begin; a ticket is (generation << 32 | slot << 1 | 1). */
+static int ms_ptr_free_begin(uint64_t key, uint64_t *ticket) {
+    ms_pslot *t = ms_ptab_get(0);
+    uint64_t h = ms_mix(MS_TRACK_PTR, key);
+    while (t != NULL) {
+        ms_pslot *join = NULL; /* the newest FREEING entry of the key seen, if there is no FULL one */
+        uint64_t join_w = 0;
+        uint32_t i = 0;
+        for (; i < MS_PTR_PROBES; i++) {
+            ms_pslot *p = &t[(h + i) & (MS_PTR_SLOTS - 1)];
+            uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
+            unsigned st = P_STATE(w);
+            if (st == MS_P_EMPTY) break;
+            if ((st != MS_P_FULL && st != MS_P_FREEING) || __atomic_load_n(&p->key, __ATOMIC_RELAXED) != key) continue;
+            if (st == MS_P_FULL) {
+                if (!ms_cas(&p->word, &w, P_WORD(MS_P_FREEING, P_DEV(w), 0, 1, P_GEN(w)))) {
+                    i--; /* changed under us: look at this slot again */
+                    continue;
+                }
+                *ticket = (uint64_t)P_GEN(w) << 32 | (uint64_t)((h + i) & (MS_PTR_SLOTS - 1)) << 1 | 1;
+                return 1;
+            }
+            if (join == NULL || (int32_t)(P_GEN(w) - P_GEN(join_w)) > 0) join = p, join_w = w;
+        }
+        if (join == NULL || P_FREERS(join_w) == 0xffff) break;
+        uint64_t w = join_w;
+        if (ms_cas(&join->word, &w, join_w + ((uint64_t)1 << 12))) {
+            *ticket = (uint64_t)P_GEN(join_w) << 32 | (uint64_t)(join - t) << 1 | 1;
+            return 1;
+        }
+        /* the entry moved on (its last free ended, or another joined): look again */
+    }
+    uint32_t small;
+    if (!__atomic_load_n(&ms_ptr_locked, __ATOMIC_SEQ_CST) || !ms_locked_free_begin(MS_TRACK_PTR, key, &small))
+        return 0;
+    *ticket = (uint64_t)small << 1;
+    return 1;
+}
+
+static int ms_ptr_free_end(uint64_t ticket, int freed, int *dev, uint64_t *bytes) {
+    ms_pslot *p = &ms_ptab_get(0)[(ticket >> 1) & 0x7fffffff];
+    uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if (P_STATE(w) != MS_P_FREEING || P_GEN(w) != (uint32_t)(ticket >> 32)) return 0; /* not ours: a bug */
+        unsigned n = P_FREERS(w) - 1, fr = P_FREED(w) | (freed != 0);
+        uint64_t size = __atomic_load_n(&p->bytes, __ATOMIC_RELAXED); /* before the slot can be reused */
+        uint64_t next = n > 0 ? P_WORD(MS_P_FREEING, P_DEV(w), fr, n, P_GEN(w))
+                              : P_WORD(fr ? MS_P_TOMB : MS_P_FULL, P_DEV(w), 0, 0, P_GEN(w));
+        if (!ms_cas(&p->word, &w, next)) continue;
+        if (n > 0 || !fr) return 0;
+        if (dev) *dev = P_DEV(w);
+        if (bytes) *bytes = size;
+        return 1;
+    }
+}
+
+int ms_track_free_begin(int kind, uint64_t key, uint64_t *ticket) {
+    if (kind == MS_TRACK_PTR) return ms_ptr_free_begin(key, ticket);
+    uint32_t small;
+    if (!ms_locked_free_begin(kind, key, &small)) return 0;
+    *ticket = (uint64_t)small << 1;
+    return 1;
+}
+
+int ms_track_free_end(int kind, uint64_t key, uint64_t ticket, int freed, int *dev, uint64_t *bytes) {
+    if (ticket & 1) return ms_ptr_free_end(ticket, freed, dev, bytes);
+    return ms_locked_free_end(kind, key, (uint32_t)(ticket >> 1), freed, dev, bytes);
 }
