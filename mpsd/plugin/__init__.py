@@ -42,7 +42,7 @@ from ..health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
-from .servicer import Servicer
+from .servicer import UNARY_WORKERS, Servicer
 from .slicing import GpuLike, advertised_ids
 from .state import StateStore, install_file
 from .usage import UsageReader, UsageTracker, shim_usage
@@ -238,7 +238,9 @@ class DevicePlugin:
                 os.unlink(self.socket_path)
         except OSError as exc:
             raise PluginError(f"cannot prepare plugin socket {self.socket_path}: {exc.strerror or exc}") from exc
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpsd-plugin-rpc"))
+        # streams hold a thread each while open: the pool has room for all of them and the short calls
+        workers = self.servicer.max_streams + UNARY_WORKERS
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mpsd-plugin-rpc"))
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         if server.add_insecure_port("unix://" + os.path.abspath(self.socket_path)) == 0:
             raise PluginError(f"cannot listen on plugin socket {self.socket_path}")

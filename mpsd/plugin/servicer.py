@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+MAX_STREAMS = 8  # ListAndWatch streams served at once
+UNARY_WORKERS = 8  # server threads left for the short calls (Allocate, ...) when all streams are open
 
 
 def device_list(gpus: Sequence[GpuLike], slices_per_gpu: int, state: HealthState) -> list[tuple[str, str]]:
@@ -46,8 +48,12 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         store: StateStore,
         stop: threading.Event,
         wake_interval: float = 0.5,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         self.gpus = sorted(gpus, key=lambda g: g.index)
+        self.max_streams = max_streams
+        self._streams = 0
+        self._streams_lock = threading.Lock()
         self.slices_per_gpu = slices_per_gpu
         self.board = board
         self.paths = paths
@@ -60,7 +66,28 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request, context):
-        """The full list at once, then again whenever a slice's health changes; ends on stop."""
+        """The full list at once, then again whenever a slice's health changes; ends on stop.
+
+        Each open stream holds a server thread: at most ``max_streams`` at once (the kubelet
+        keeps one), the rest refused with RESOURCE_EXHAUSTED, so that Allocate always finds a
+        free thread however many streams a client opens."""
+        with self._streams_lock:
+            admitted = self._streams < self.max_streams
+            if admitted:
+                self._streams += 1
+        if not admitted:
+            log.warning("ListAndWatch refused: %d streams open already (the most served at once)", self.max_streams)
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many ListAndWatch streams: {self.max_streams} open already (the kubelet needs one)",
+            )
+        try:
+            yield from self._list_and_watch(context)
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+
+    def _list_and_watch(self, context):
         state = self.board.current()
         last = None
         while True:

@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
@@ -88,17 +89,27 @@ class StateStore:
                 allocations = [Allocation.from_json(a) for a in data["allocations"]]
             except FileNotFoundError:
                 allocations = []
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                aside = f"{self.path}.bad"
-                log.error("state file unreadable path=%s error=%s kept_as=%s", self.path, exc, aside)
-                try:
-                    os.replace(self.path, aside)
-                except OSError:
-                    pass
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+                # RecursionError: deep nesting; ValueError also covers bad UTF-8 and huge integers
+                aside = self._move_aside()
+                reason = " ".join(str(exc).split())[:200]
+                log.error("state file unreadable path=%s error=%s kept_as=%s", self.path, reason, aside)
                 allocations = []
             self._allocations = {a.allocation_id: a for a in allocations}
             log.info("state loaded path=%s allocations=%d", self.path, len(self._allocations))
             return dict(self._allocations)
+
+    def _move_aside(self) -> str:
+        """Rename the damaged file to ``<path>.bad`` (``.bad.<ns>`` if that exists already):
+        nothing is lost, and the next write starts a good file. The new name, or why not."""
+        aside = f"{self.path}.bad"
+        if os.path.lexists(aside):
+            aside = f"{self.path}.bad.{time.time_ns()}"
+        try:
+            os.rename(self.path, aside)
+        except OSError as exc:
+            return f"(not moved: {exc.strerror or exc})"
+        return aside
 
     def all(self) -> list[Allocation]:
         with self.lock:
