@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,17 +91,52 @@ def _load(path: str) -> tuple[Any, Any]:
     return ffi, lib
 
 
+MAX_REGION_BYTES = 64 << 20  # far above any layout's size (the library checks the exact one)
+
+
+def open_region(path: str | os.PathLike[str]) -> int:
+    """An O_PATH descriptor of the regular file at ``path``, whoever may write there (a pod owns
+    its region's directory): a symlink as the last component is refused, not followed; a FIFO
+    or device node is refused without being opened (an O_PATH open runs no driver and never
+    blocks); a file larger than any region is refused. RegionError with one line otherwise."""
+    name = repr(str(path))
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RegionError(f"cannot read region {name}: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise RegionError(f"cannot read region {name}: it is a symbolic link (refused, not followed)")
+        if not stat.S_ISREG(st.st_mode):
+            raise RegionError(f"cannot read region {name}: not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > MAX_REGION_BYTES:
+            raise RegionError(f"cannot read region {name}: {st.st_size} bytes, no region is above {MAX_REGION_BYTES}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def usage(region_path: str | os.PathLike[str], library: str | os.PathLike[str] | None = None) -> list[DeviceUsage]:
     """Per device: cap, bytes in use and the processes holding them, read from the region file
-    that a container's processes share (their MPSSHIM_REGION). Read-only: claims no slot."""
+    that a container's processes share (their MPSSHIM_REGION). Read-only: claims no slot.
+
+    The file is checked first (``open_region``) and the library reads that very file through
+    /proc/self/fd, so a name swapped after the check (a FIFO, a symlink) is never opened."""
     path = Path(region_path)
     lib_path = str(library) if library is not None else str(library_path())
     ffi, lib = _load(lib_path)
     snap = ffi.new("ms_snapshot *")
     err = ffi.new("char[]", ERR_LEN)
-    if lib.mpsshim_usage(os.fsencode(path), snap, err, ERR_LEN) != 0:
-        reason = ffi.string(err).decode(errors="replace") or "unknown error"
-        raise RegionError(f"cannot read region {str(path)!r}: {reason}")
+    fd = open_region(path)
+    try:
+        checked = f"/proc/self/fd/{fd}"
+        if lib.mpsshim_usage(os.fsencode(checked), snap, err, ERR_LEN) != 0:
+            reason = ffi.string(err).decode(errors="replace").replace(checked, str(path)) or "unknown error"
+            raise RegionError(f"cannot read region {str(path)!r}: {reason}")
+    finally:
+        os.close(fd)
     nprocs = min(int(snap.nprocs), MAX_PROCS)
     procs = [RawProcess(int(p.pid), bool(p.alive), list(p.used)) for p in (snap.procs[i] for i in range(nprocs))]
     devices = devices_from_snapshot(list(snap.cap), list(snap.used), procs)

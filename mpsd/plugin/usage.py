@@ -93,8 +93,9 @@ def usage_rows(
 
 def shim_usage(region_path: str, library: str | None = None) -> dict[int, int]:
     """Bytes in use per device ordinal in a shim region, read through ``library`` (default:
-    shim.library_path()); {} when no process created the region yet."""
-    if not os.path.exists(region_path):
+    shim.library_path()); {} when no process created the region yet. The region is a pod's
+    file: shim.usage refuses a symlink, a FIFO or an oversized file without opening it."""
+    if not os.path.lexists(region_path):  # lexists: a symlink is refused by shim.usage, not skipped
         return {}
     import shim  # the interposer's Python side; imported late so the plugin starts without it
 
