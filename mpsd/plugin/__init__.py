@@ -130,7 +130,15 @@ class DevicePlugin:
         if self.shim_library:
             dest = install_file(self.shim_library, self.paths.shim_host_dir, SHIM_NAME)
             log.info("shim installed source=%s dest=%s", self.shim_library, dest)
-        for allocation in self.store.load().values():
+        if os.path.realpath(self.store.path).startswith(os.path.realpath(self.paths.region_dir) + os.sep):
+            raise PluginError(
+                f"state file {self.store.path} is inside regionDir {self.paths.region_dir}: expected a directory "
+                "pods cannot write (stateDir outside regionDir)"
+            )
+        self.store.load()
+        self.store.compact()  # a fresh snapshot and an empty journal; fails here, not in Allocate
+        os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
+        for allocation in self.store.all():
             if not os.path.isdir(allocation.region_dir):
                 log.warning(
                     "region directory missing, re-creating allocation=%s path=%s",
@@ -159,6 +167,7 @@ class DevicePlugin:
             thread.join(timeout=10)
         self._threads.clear()
         self._stop_server()
+        self.store.close()
         log.info("device plugin stopped resource=%s", self.resource_name)
 
     def run(self, stop: threading.Event) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
-from dataclasses import replace
 from typing import Sequence
 
 import grpc
@@ -125,8 +125,8 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         try:
             plans = [plan_allocation(list(c.devices_ids), self.gpus, self.slices_per_gpu) for c in request.container_requests]
             for plan in plans:
-                self.record(plan)
-                response.container_responses.append(container_response(plan, self.paths))
+                allocation = self.record(plan)
+                response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
         except PluginError as exc:
             log.error("Allocate refused error=%s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -136,21 +136,18 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
     def record(self, plan: Plan) -> Allocation:
-        """Create the allocation's region directory (mode 0777) and remember it on disk.
+        """Create a fresh region directory for the container (mode 0777) and remember it.
 
-        Under the store's lock from the directory to the state file, so that garbage
-        collection (which releases under the same lock) never deletes the directory of an
-        allocation being recorded, nor an allocation whose devices were just handed out."""
+        Under the store's lock from the directory to the state, so that garbage collection
+        (which decides under the same lock) never takes a directory being recorded. The same
+        device IDs again (a new pod on the same slices) get a new directory too: the previous
+        tenant's files (a region whose lock it poisoned, say) never reach the next pod; its
+        directory, no longer named by the state, is removed by garbage collection."""
         with self.store.lock:
             return self._record(plan)
 
     def _record(self, plan: Plan) -> Allocation:
-        directory = self.paths.allocation_dir(plan.allocation_id)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            os.chmod(directory, 0o777)  # any container UID writes its accounting region here
-        except OSError as exc:
-            raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+        directory = self._fresh_dir(plan.allocation_id)
         if plan.spans_gpus:
             log.warning(
                 "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
@@ -160,14 +157,7 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
                 plan.memory_limits,
                 plan.active_thread_percentage,
             )
-        existing = self.store.get(plan.allocation_id)
-        if existing is not None:
-            # the same devices again (a new container, or the kubelet re-allocating):
-            # the fresh time keeps garbage collection off it until the kubelet lists it
-            again = replace(existing, allocated=time.time())
-            self.store.put(again)
-            log.info("Allocate again allocation=%s devices=%s", plan.allocation_id, ",".join(plan.device_ids))
-            return again
+        previous = self.store.get(plan.allocation_id)
         allocation = Allocation(
             allocation_id=plan.allocation_id,
             device_ids=plan.device_ids,
@@ -177,13 +167,45 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             region_dir=directory,
             created=time.time(),
         )
-        self.store.put(allocation)
+        try:
+            self.store.put(allocation)
+        except PluginError:
+            _remove_empty(directory)
+            raise
         log.info(
-            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s",
+            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s region=%s%s",
             plan.allocation_id,
             ",".join(plan.device_ids),
             plan.memory_limits,
             plan.active_thread_percentage,
+            os.path.basename(directory),
+            f" replaces={os.path.basename(previous.region_dir)}" if previous is not None else "",
         )
         return allocation
 
+    def _fresh_dir(self, allocation_id: str) -> str:
+        """A new directory ``<allocation ID>-<random>`` that did not exist before (mkdir, not
+        makedirs: an existing name is never reused), mode 0777 so that any container UID
+        creates its region there."""
+        for _ in range(4):
+            directory = self.paths.allocation_dir(f"{allocation_id}-{secrets.token_hex(6)}")
+            try:
+                try:
+                    os.mkdir(directory, 0o700)
+                except FileNotFoundError:  # regionDir itself is gone: re-created, root's
+                    os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
+                    os.mkdir(directory, 0o700)
+                os.chmod(directory, 0o777)  # not in mkdir: the umask would take bits off
+                return directory
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+        raise PluginError(f"cannot create a new region directory in {self.paths.region_dir}: names taken")
+
+
+def _remove_empty(directory: str) -> None:
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
