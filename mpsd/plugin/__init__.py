@@ -138,6 +138,17 @@ class DevicePlugin:
         self.store.load()
         self.store.compact()  # a fresh snapshot and an empty journal; fails here, not in Allocate
         os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
+        from . import regionfs  # here: `python -m mpsd.plugin.regionfs` must not find it imported
+
+        bound = regionfs.describe(self.paths.region_dir)
+        if bound is None:
+            log.warning(
+                "regionDir %s is not a tmpfs of its own: what pods write there is bounded only by the file "
+                "system it is on (mount one: python -m mpsd.plugin.regionfs %s 256Mi, as the DaemonSet does)",
+                self.paths.region_dir, self.paths.region_dir,
+            )
+        else:
+            log.info("regionDir %s is a %s", self.paths.region_dir, bound)
         for allocation in self.store.all():
             if not os.path.isdir(allocation.region_dir):
                 log.warning(

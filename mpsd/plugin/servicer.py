@@ -123,13 +123,18 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
     def Allocate(self, request, context):
         response = api_pb2.AllocateResponse()
         try:
-            plans = [plan_allocation(list(c.devices_ids), self.gpus, self.slices_per_gpu) for c in request.container_requests]
-            for plan in plans:
-                allocation = self.record(plan)
-                response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
+            plans = [plan_allocation(list(c.devices_ids), self.gpus, self.slices_per_gpu)
+                     for c in request.container_requests]
         except PluginError as exc:
             log.error("Allocate refused error=%s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            for plan in plans:
+                allocation = self.record(plan)
+                response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
+        except PluginError as exc:  # the node's side: regionDir full, the state not writable
+            log.error("Allocate failed error=%s", exc)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return response
 
     def PreStartContainer(self, request, context):

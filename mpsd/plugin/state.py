@@ -113,7 +113,9 @@ class StateStore:
                 allocations = []
             self._allocations = {a.allocation_id: a for a in allocations}
             replayed = self._replay()
-            log.info("state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed)
+            log.info(
+                "state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed
+            )
             return dict(self._allocations)
 
     def _replay(self) -> int:

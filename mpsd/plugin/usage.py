@@ -229,7 +229,8 @@ class UsageTracker:
         try:
             return self.usage_reader(path)
         except Exception as exc:  # a damaged or foreign region must not stop the others
-            self._warn_once(a.allocation_id, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
+            # once per directory: a new pod on the same slices has a directory of its own
+            self._warn_once(path, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
             return {}
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:

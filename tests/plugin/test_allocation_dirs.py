@@ -98,6 +98,6 @@ def test_state_file_inside_the_region_dir_is_refused(env, kubelet):
 
     env.state_path = env.root / "regions" / "state.json"
     plugin = env.plugin(gpus(80))
-    with pytest.raises(PluginError, match=r"state file .*state\.json is inside regionDir .*: expected a directory pods"):
+    with pytest.raises(PluginError, match=r"state file .*state\.json is inside regionDir .*: expected a directory"):
         plugin.start()
     plugin.stop()
