@@ -118,12 +118,45 @@ def open_region(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def usage(region_path: str | os.PathLike[str], library: str | os.PathLike[str] | None = None) -> list[DeviceUsage]:
+def private_copy(fd: int, name: str) -> int:
+    """A memfd holding the bytes of the checked file ``fd`` (an O_PATH descriptor), read with
+    pread: a writer that truncates the file meanwhile shortens the copy (refused later for
+    its size), where it would have killed a reader of a shared mapping with SIGBUS."""
+    src = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        chunks, total = [], 0
+        while total <= MAX_REGION_BYTES:
+            chunk = os.pread(src, 1 << 20, total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(src)
+    if total > MAX_REGION_BYTES:
+        raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read")
+    copy = os.memfd_create("mpsshim-region-copy", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(b"".join(chunks))
+        while view:
+            view = view[os.write(copy, view):]
+    except BaseException:
+        os.close(copy)
+        raise
+    return copy
+
+
+def usage(
+    region_path: str | os.PathLike[str], library: str | os.PathLike[str] | None = None, *, copy: bool = False
+) -> list[DeviceUsage]:
     """Per device: cap, bytes in use and the processes holding them, read from the region file
     that a container's processes share (their MPSSHIM_REGION). Read-only: claims no slot.
 
     The file is checked first (``open_region``) and the library reads that very file through
-    /proc/self/fd, so a name swapped after the check (a FIFO, a symlink) is never opened."""
+    /proc/self/fd, so a name swapped after the check (a FIFO, a symlink) is never opened.
+    ``copy``: read a private copy instead of mapping the file, for a long-lived reader of files
+    others can truncate (the device plugin, inside mpsd): no SIGBUS, but whether a process is
+    alive cannot be told from a copy (every process is reported not alive)."""
     path = Path(region_path)
     lib_path = str(library) if library is not None else str(library_path())
     ffi, lib = _load(lib_path)
@@ -131,6 +164,10 @@ def usage(region_path: str | os.PathLike[str], library: str | os.PathLike[str] |
     err = ffi.new("char[]", ERR_LEN)
     fd = open_region(path)
     try:
+        if copy:
+            held = fd
+            fd = private_copy(held, repr(str(path)))
+            os.close(held)
         checked = f"/proc/self/fd/{fd}"
         if lib.mpsshim_usage(os.fsencode(checked), snap, err, ERR_LEN) != 0:
             reason = ffi.string(err).decode(errors="replace").replace(checked, str(path)) or "unknown error"

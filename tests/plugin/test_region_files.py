@@ -109,3 +109,49 @@ def test_a_pods_fifo_or_symlink_region_is_skipped_and_rounds_go_on(env, kubelet,
             p.wait()
         plugin.stop()
         pr.stop()
+
+
+READER = """
+import sys, time
+from mpsd.plugin.usage import shim_usage
+region, lib = sys.argv[1], sys.argv[2]
+deadline = time.monotonic() + 8
+reads = 0
+while time.monotonic() < deadline:
+    try:
+        shim_usage(region, library=lib)
+    except Exception:
+        pass
+    reads += 1
+print(reads)
+"""
+
+FLIPPER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size = os.fstat(fd).st_size
+print("flipping", flush=True)
+while True:
+    os.ftruncate(fd, 4096)
+    os.ftruncate(fd, size)
+"""
+
+
+def test_a_pod_truncating_its_region_while_it_is_read_cannot_kill_the_reader(shim_lib, holder_exe, tmp_path):
+    # the reader is mpsd itself (the plugin runs in `mpsd run`): a SIGBUS there would take the
+    # control daemon and every MPS client of the node with it
+    import sys
+
+    region = tmp_path / "region"
+    holder = hold(holder_exe, region, f"0:{8 * GIB}:{GIB}")
+    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, str(region)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert flipper.stdout.readline().strip() == "flipping"
+        reader = subprocess.run([sys.executable, "-c", READER, str(region), str(shim_lib)],
+                                capture_output=True, text=True, timeout=120, cwd=str(REPO))
+        assert reader.returncode == 0, f"reader died: rc={reader.returncode} {reader.stderr[-500:]}"
+        assert int(reader.stdout) > 100, reader.stdout
+    finally:
+        for p in (flipper, holder):
+            p.kill()
+            p.wait()
