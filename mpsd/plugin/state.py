@@ -95,8 +95,9 @@ class StateStore:
 
     def load(self) -> dict[str, Allocation]:
         """Read the snapshot and replay the journal. A damaged snapshot is moved aside and
-        reported, not fatal; a damaged journal line ends the replay (reported)."""
+        reported, not fatal; a damaged journal line ends the replay, the journal is moved aside."""
         with self.lock:
+            self.close()  # a journal moved aside is not written on
             try:
                 with open(self.path, encoding="utf-8") as f:
                     data = json.load(f)
@@ -134,8 +135,9 @@ class StateStore:
                 self._apply(json.loads(line))
             except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
                 reason = " ".join(str(exc).split())[:200]
-                log.error("state journal line unreadable path=%s line=%d error=%s (later lines ignored)",
-                          self.journal_path, n + 1, reason)
+                aside = _move_aside(self.journal_path)  # the next compaction would empty it
+                log.error("state journal line unreadable path=%s line=%d error=%s (later lines ignored) kept_as=%s",
+                          self.journal_path, n + 1, reason, aside)
                 return n
         if tail:
             log.warning("state journal ends in a partial line (a crash while writing) path=%s", self.journal_path)
@@ -152,16 +154,7 @@ class StateStore:
             raise ValueError(f"unknown entry {sorted(entry)!r}")
 
     def _move_aside(self) -> str:
-        """Rename the damaged file to ``<path>.bad`` (``.bad.<ns>`` if that exists already):
-        nothing is lost, and the next write starts a good file. The new name, or why not."""
-        aside = f"{self.path}.bad"
-        if os.path.lexists(aside):
-            aside = f"{self.path}.bad.{time.time_ns()}"
-        try:
-            os.rename(self.path, aside)
-        except OSError as exc:
-            return f"(not moved: {exc.strerror or exc})"
-        return aside
+        return _move_aside(self.path)
 
     def all(self) -> list[Allocation]:
         with self.lock:
@@ -266,6 +259,19 @@ class StateStore:
         self._journal_fd = fd
         self._journal_size = size
         return fd
+
+
+def _move_aside(path: str) -> str:
+    """Rename a damaged file to ``<path>.bad`` (``.bad.<ns>`` if that exists already): nothing
+    is lost, and the next write starts a good file. The new name, or why not."""
+    aside = f"{path}.bad"
+    if os.path.lexists(aside):
+        aside = f"{path}.bad.{time.time_ns()}"
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        return f"(not moved: {exc.strerror or exc})"
+    return aside
 
 
 def write_atomic(path: str, content: bytes, mode: int = 0o644) -> None:
