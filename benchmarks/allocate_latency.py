@@ -4,14 +4,16 @@ calls it.
     .venv/bin/python benchmarks/allocate_latency.py [--calls 1000] [--gpus 8] [--slices 10] [--live 50]
 
 Two runs of ``--calls`` calls each:
-- new:    every call is a new allocation (region directory created, state file rewritten
-          with fsync); after each timed call the allocation is released again (untimed), so
-          the state holds ``--live`` other allocations throughout;
-- repeat: the same device IDs again (a new container on the same slices, or the kubelet
-          re-allocating): the answer is rebuilt from the recorded allocation, whose
-          allocation time is refreshed on disk (one state write with fsync).
+- new:    every call is a new allocation (a fresh region directory created, one journal line
+          appended to the state and fdatasync'd before the answer); after each timed call the
+          allocation is released again (untimed), so the state holds ``--live`` other
+          allocations throughout;
+- repeat: the same device IDs again (a new pod on the same slices): a fresh directory again
+          (a pod never inherits the previous tenant's), the record replaced by one journal line.
+The state's snapshot is rewritten (tmp + fsync + rename + directory fsync) only by compaction,
+off Allocate's path (plugin start, the usage round, every 4096 journal lines).
 Prints p50, p99, mean and max in milliseconds. Everything lives in a temporary directory
-under $TMPDIR (the state file's fsync goes to that file system).
+under $TMPDIR (the journal's fdatasync goes to that file system).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,17 +91,89 @@ def _load(path: str) -> tuple[Any, Any]:
     return ffi, lib
 
 
-def usage(region_path: str | os.PathLike[str], library: str | os.PathLike[str] | None = None) -> list[DeviceUsage]:
+MAX_REGION_BYTES = 64 << 20  # far above any layout's size (the library checks the exact one)
+
+
+def open_region(path: str | os.PathLike[str]) -> int:
+    """An O_PATH descriptor of the regular file at ``path``, whoever may write there (a pod owns
+    its region's directory): a symlink as the last component is refused, not followed; a FIFO
+    or device node is refused without being opened (an O_PATH open runs no driver and never
+    blocks); a file larger than any region is refused. RegionError with one line otherwise."""
+    name = repr(str(path))
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RegionError(f"cannot read region {name}: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise RegionError(f"cannot read region {name}: it is a symbolic link (refused, not followed)")
+        if not stat.S_ISREG(st.st_mode):
+            raise RegionError(f"cannot read region {name}: not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > MAX_REGION_BYTES:
+            raise RegionError(f"cannot read region {name}: {st.st_size} bytes, no region is above {MAX_REGION_BYTES}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def private_copy(fd: int, name: str) -> int:
+    """A memfd holding the bytes of the checked file ``fd`` (an O_PATH descriptor), read with
+    pread: a writer that truncates the file meanwhile shortens the copy (refused later for
+    its size), where it would have killed a reader of a shared mapping with SIGBUS."""
+    src = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        chunks, total = [], 0
+        while total <= MAX_REGION_BYTES:
+            chunk = os.pread(src, 1 << 20, total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(src)
+    if total > MAX_REGION_BYTES:
+        raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read")
+    copy = os.memfd_create("mpsshim-region-copy", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(b"".join(chunks))
+        while view:
+            view = view[os.write(copy, view):]
+    except BaseException:
+        os.close(copy)
+        raise
+    return copy
+
+
+def usage(
+    region_path: str | os.PathLike[str], library: str | os.PathLike[str] | None = None, *, copy: bool = False
+) -> list[DeviceUsage]:
     """Per device: cap, bytes in use and the processes holding them, read from the region file
-    that a container's processes share (their MPSSHIM_REGION). Read-only: claims no slot."""
+    that a container's processes share (their MPSSHIM_REGION). Read-only: claims no slot.
+
+    The file is checked first (``open_region``) and the library reads that very file through
+    /proc/self/fd, so a name swapped after the check (a FIFO, a symlink) is never opened.
+    ``copy``: read a private copy instead of mapping the file, for a long-lived reader of files
+    others can truncate (the device plugin, inside mpsd): no SIGBUS, but whether a process is
+    alive cannot be told from a copy (every process is reported not alive)."""
     path = Path(region_path)
     lib_path = str(library) if library is not None else str(library_path())
     ffi, lib = _load(lib_path)
     snap = ffi.new("ms_snapshot *")
     err = ffi.new("char[]", ERR_LEN)
-    if lib.mpsshim_usage(os.fsencode(path), snap, err, ERR_LEN) != 0:
-        reason = ffi.string(err).decode(errors="replace") or "unknown error"
-        raise RegionError(f"cannot read region {str(path)!r}: {reason}")
+    fd = open_region(path)
+    try:
+        if copy:
+            held = fd
+            fd = private_copy(held, repr(str(path)))
+            os.close(held)
+        checked = f"/proc/self/fd/{fd}"
+        if lib.mpsshim_usage(os.fsencode(checked), snap, err, ERR_LEN) != 0:
+            reason = ffi.string(err).decode(errors="replace").replace(checked, str(path)) or "unknown error"
+            raise RegionError(f"cannot read region {str(path)!r}: {reason}")
+    finally:
+        os.close(fd)
     nprocs = min(int(snap.nprocs), MAX_PROCS)
     procs = [RawProcess(int(p.pid), bool(p.alive), list(p.used)) for p in (snap.procs[i] for i in range(nprocs))]
     devices = devices_from_snapshot(list(snap.cap), list(snap.used), procs)

@@ -42,7 +42,7 @@ from ..health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
-from .servicer import Servicer
+from .servicer import UNARY_WORKERS, Servicer
 from .slicing import GpuLike, advertised_ids
 from .state import StateStore, install_file
 from .usage import UsageReader, UsageTracker, shim_usage
@@ -130,7 +130,26 @@ class DevicePlugin:
         if self.shim_library:
             dest = install_file(self.shim_library, self.paths.shim_host_dir, SHIM_NAME)
             log.info("shim installed source=%s dest=%s", self.shim_library, dest)
-        for allocation in self.store.load().values():
+        if os.path.realpath(self.store.path).startswith(os.path.realpath(self.paths.region_dir) + os.sep):
+            raise PluginError(
+                f"state file {self.store.path} is inside regionDir {self.paths.region_dir}: expected a directory "
+                "pods cannot write (stateDir outside regionDir)"
+            )
+        self.store.load()
+        self.store.compact()  # a fresh snapshot and an empty journal; fails here, not in Allocate
+        os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
+        from . import regionfs  # here: `python -m mpsd.plugin.regionfs` must not find it imported
+
+        bound = regionfs.describe(self.paths.region_dir)
+        if bound is None:
+            log.warning(
+                "regionDir %s is not a tmpfs of its own: what pods write there is bounded only by the file "
+                "system it is on (mount one: python -m mpsd.plugin.regionfs %s 256Mi, as the DaemonSet does)",
+                self.paths.region_dir, self.paths.region_dir,
+            )
+        else:
+            log.info("regionDir %s is a %s", self.paths.region_dir, bound)
+        for allocation in self.store.all():
             if not os.path.isdir(allocation.region_dir):
                 log.warning(
                     "region directory missing, re-creating allocation=%s path=%s",
@@ -159,6 +178,7 @@ class DevicePlugin:
             thread.join(timeout=10)
         self._threads.clear()
         self._stop_server()
+        self.store.close()
         log.info("device plugin stopped resource=%s", self.resource_name)
 
     def run(self, stop: threading.Event) -> None:
@@ -238,7 +258,9 @@ class DevicePlugin:
                 os.unlink(self.socket_path)
         except OSError as exc:
             raise PluginError(f"cannot prepare plugin socket {self.socket_path}: {exc.strerror or exc}") from exc
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpsd-plugin-rpc"))
+        # streams hold a thread each while open: the pool has room for all of them and the short calls
+        workers = self.servicer.max_streams + UNARY_WORKERS
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mpsd-plugin-rpc"))
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         if server.add_insecure_port("unix://" + os.path.abspath(self.socket_path)) == 0:
             raise PluginError(f"cannot listen on plugin socket {self.socket_path}")

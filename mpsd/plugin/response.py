@@ -42,8 +42,8 @@ class HostPaths:
         if self.ipc_mode == "tmpfs" and not self.shm_dir:
             raise PluginError("ipcMode tmpfs needs shmDir: expected a host directory (a tmpfs shared with the daemon)")
 
-    def allocation_dir(self, allocation_id: str) -> str:
-        return os.path.join(self.region_dir, allocation_id)
+    def allocation_dir(self, name: str) -> str:
+        return os.path.join(self.region_dir, name)
 
 
 def container_env(plan: Plan, pipe_dir: str) -> dict[str, str]:
@@ -59,12 +59,11 @@ def container_env(plan: Plan, pipe_dir: str) -> dict[str, str]:
     return env
 
 
-def container_mounts(plan: Plan, paths: HostPaths) -> list[api_pb2.Mount]:
+def container_mounts(plan: Plan, paths: HostPaths, region_dir: str) -> list[api_pb2.Mount]:
+    """``region_dir``: this container's own directory in regionDir (fresh for each Allocate)."""
     mounts = [
         api_pb2.Mount(container_path=paths.pipe_dir, host_path=paths.pipe_dir, read_only=False),
-        api_pb2.Mount(
-            container_path=CONTAINER_REGION_DIR, host_path=paths.allocation_dir(plan.allocation_id), read_only=False
-        ),
+        api_pb2.Mount(container_path=CONTAINER_REGION_DIR, host_path=region_dir, read_only=False),
         api_pb2.Mount(container_path=CONTAINER_SHIM_DIR, host_path=paths.shim_host_dir, read_only=True),
     ]
     if paths.ipc_mode == "tmpfs":
@@ -72,5 +71,7 @@ def container_mounts(plan: Plan, paths: HostPaths) -> list[api_pb2.Mount]:
     return mounts
 
 
-def container_response(plan: Plan, paths: HostPaths) -> api_pb2.ContainerAllocateResponse:
-    return api_pb2.ContainerAllocateResponse(envs=container_env(plan, paths.pipe_dir), mounts=container_mounts(plan, paths))
+def container_response(plan: Plan, paths: HostPaths, region_dir: str) -> api_pb2.ContainerAllocateResponse:
+    return api_pb2.ContainerAllocateResponse(
+        envs=container_env(plan, paths.pipe_dir), mounts=container_mounts(plan, paths, region_dir)
+    )

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
-from dataclasses import replace
 from typing import Sequence
 
 import grpc
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+MAX_STREAMS = 8  # ListAndWatch streams served at once
+UNARY_WORKERS = 8  # server threads left for the short calls (Allocate, ...) when all streams are open
 
 
 def device_list(gpus: Sequence[GpuLike], slices_per_gpu: int, state: HealthState) -> list[tuple[str, str]]:
@@ -46,8 +48,12 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         store: StateStore,
         stop: threading.Event,
         wake_interval: float = 0.5,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         self.gpus = sorted(gpus, key=lambda g: g.index)
+        self.max_streams = max_streams
+        self._streams = 0
+        self._streams_lock = threading.Lock()
         self.slices_per_gpu = slices_per_gpu
         self.board = board
         self.paths = paths
@@ -60,7 +66,28 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request, context):
-        """The full list at once, then again whenever a slice's health changes; ends on stop."""
+        """The full list at once, then again whenever a slice's health changes; ends on stop.
+
+        Each open stream holds a server thread: at most ``max_streams`` at once (the kubelet
+        keeps one), the rest refused with RESOURCE_EXHAUSTED, so that Allocate always finds a
+        free thread however many streams a client opens."""
+        with self._streams_lock:
+            admitted = self._streams < self.max_streams
+            if admitted:
+                self._streams += 1
+        if not admitted:
+            log.warning("ListAndWatch refused: %d streams open already (the most served at once)", self.max_streams)
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many ListAndWatch streams: {self.max_streams} open already (the kubelet needs one)",
+            )
+        try:
+            yield from self._list_and_watch(context)
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+
+    def _list_and_watch(self, context):
         state = self.board.current()
         last = None
         while True:
@@ -96,34 +123,36 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
     def Allocate(self, request, context):
         response = api_pb2.AllocateResponse()
         try:
-            plans = [plan_allocation(list(c.devices_ids), self.gpus, self.slices_per_gpu) for c in request.container_requests]
-            for plan in plans:
-                self.record(plan)
-                response.container_responses.append(container_response(plan, self.paths))
+            plans = [plan_allocation(list(c.devices_ids), self.gpus, self.slices_per_gpu)
+                     for c in request.container_requests]
         except PluginError as exc:
             log.error("Allocate refused error=%s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            for plan in plans:
+                allocation = self.record(plan)
+                response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
+        except PluginError as exc:  # the node's side: regionDir full, the state not writable
+            log.error("Allocate failed error=%s", exc)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return response
 
     def PreStartContainer(self, request, context):
         return api_pb2.PreStartContainerResponse()
 
     def record(self, plan: Plan) -> Allocation:
-        """Create the allocation's region directory (mode 0777) and remember it on disk.
+        """Create a fresh region directory for the container (mode 0777) and remember it.
 
-        Under the store's lock from the directory to the state file, so that garbage
-        collection (which releases under the same lock) never deletes the directory of an
-        allocation being recorded, nor an allocation whose devices were just handed out."""
+        Under the store's lock from the directory to the state, so that garbage collection
+        (which decides under the same lock) never takes a directory being recorded. The same
+        device IDs again (a new pod on the same slices) get a new directory too: the previous
+        tenant's files (a region whose lock it poisoned, say) never reach the next pod; its
+        directory, no longer named by the state, is removed by garbage collection."""
         with self.store.lock:
             return self._record(plan)
 
     def _record(self, plan: Plan) -> Allocation:
-        directory = self.paths.allocation_dir(plan.allocation_id)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            os.chmod(directory, 0o777)  # any container UID writes its accounting region here
-        except OSError as exc:
-            raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+        directory = self._fresh_dir(plan.allocation_id)
         if plan.spans_gpus:
             log.warning(
                 "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
@@ -133,14 +162,7 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
                 plan.memory_limits,
                 plan.active_thread_percentage,
             )
-        existing = self.store.get(plan.allocation_id)
-        if existing is not None:
-            # the same devices again (a new container, or the kubelet re-allocating):
-            # the fresh time keeps garbage collection off it until the kubelet lists it
-            again = replace(existing, allocated=time.time())
-            self.store.put(again)
-            log.info("Allocate again allocation=%s devices=%s", plan.allocation_id, ",".join(plan.device_ids))
-            return again
+        previous = self.store.get(plan.allocation_id)
         allocation = Allocation(
             allocation_id=plan.allocation_id,
             device_ids=plan.device_ids,
@@ -150,13 +172,45 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             region_dir=directory,
             created=time.time(),
         )
-        self.store.put(allocation)
+        try:
+            self.store.put(allocation)
+        except PluginError:
+            _remove_empty(directory)
+            raise
         log.info(
-            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s",
+            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s region=%s%s",
             plan.allocation_id,
             ",".join(plan.device_ids),
             plan.memory_limits,
             plan.active_thread_percentage,
+            os.path.basename(directory),
+            f" replaces={os.path.basename(previous.region_dir)}" if previous is not None else "",
         )
         return allocation
 
+    def _fresh_dir(self, allocation_id: str) -> str:
+        """A new directory ``<allocation ID>-<random>`` that did not exist before (mkdir, not
+        makedirs: an existing name is never reused), mode 0777 so that any container UID
+        creates its region there."""
+        for _ in range(4):
+            directory = self.paths.allocation_dir(f"{allocation_id}-{secrets.token_hex(6)}")
+            try:
+                try:
+                    os.mkdir(directory, 0o700)
+                except FileNotFoundError:  # regionDir itself is gone: re-created, root's
+                    os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
+                    os.mkdir(directory, 0o700)
+                os.chmod(directory, 0o777)  # not in mkdir: the umask would take bits off
+                return directory
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+        raise PluginError(f"cannot create a new region directory in {self.paths.region_dir}: names taken")
+
+
+def _remove_empty(directory: str) -> None:
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass

@@ -48,14 +48,29 @@ def slice_id(uuid: str, k: int) -> str:
     return str(SliceId(uuid, k))
 
 
+def _slice_number(k: str) -> int | None:
+    """The slice number of a canonical ID's tail: "0", "7", "42"; None for anything else
+    ("01" would name slice 1 a second time; 5000 digits would raise in int())."""
+    if not is_decimal(k) or len(k) > len(str(MAX_SLICES)) or (len(k) > 1 and k[0] == "0"):
+        return None
+    return int(k)
+
+
 def parse_slice_id(text: str, slices_per_gpu: int) -> SliceId:
-    """``"GPU-ab::3"`` -> SliceId("GPU-ab", 3); PluginError names the text otherwise."""
+    """``"GPU-ab::3"`` -> SliceId("GPU-ab", 3); PluginError names the text otherwise. Only the
+    canonical spelling we advertise is taken, so one slice has exactly one ID."""
     uuid, sep, k = text.rpartition(SEPARATOR)
-    if not sep or not uuid or not is_decimal(k) or int(k) >= slices_per_gpu:
+    number = _slice_number(k)
+    if not sep or not uuid or number is None or number >= slices_per_gpu:
         raise PluginError(
-            f"bad device ID {text!r}: expected <GPU-uuid>::<slice> with slice 0..{slices_per_gpu - 1}"
+            f"bad device ID {_short(text)}: expected <GPU-uuid>::<slice> with slice 0..{slices_per_gpu - 1}"
         )
-    return SliceId(uuid, int(k))
+    return SliceId(uuid, number)
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """repr of ``text``, cut to ``limit`` characters: an error line stays one short line."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def advertised_ids(gpus: Sequence[GpuLike], slices_per_gpu: int) -> list[str]:
@@ -165,10 +180,12 @@ def preferred_allocation(
     """
     if size < 0 or size > len(set(available)):
         raise PluginError(f"bad preferred allocation: size {size} with {len(set(available))} device IDs available")
+    for d in (*available, *must_include):
+        _loose_parse(d)  # canonical IDs only: "::1" and "::01" would be one slice twice
     avail_set = set(available)
     missing = [d for d in must_include if d not in avail_set]
     if missing:
-        raise PluginError(f"bad preferred allocation: must-include device {missing[0]!r} is not available")
+        raise PluginError(f"bad preferred allocation: must-include device {_short(missing[0])} is not available")
     chosen: list[str] = list(dict.fromkeys(must_include))
     if len(chosen) > size:
         raise PluginError(f"bad preferred allocation: {len(chosen)} must-include devices but size {size}")
@@ -205,8 +222,10 @@ def preferred_allocation(
 
 
 def _loose_parse(text: str) -> SliceId:
+    """Any GPU and slice number, but only in canonical form (see ``_slice_number``)."""
     uuid, sep, k = text.rpartition(SEPARATOR)
-    if not sep or not is_decimal(k):
-        raise PluginError(f"bad device ID {text!r}: expected <GPU-uuid>::<slice>")
-    return SliceId(uuid, int(k))
+    number = _slice_number(k)
+    if not sep or number is None:
+        raise PluginError(f"bad device ID {_short(text)}: expected <GPU-uuid>::<slice> (slice 0..{MAX_SLICES - 1})")
+    return SliceId(uuid, number)
 

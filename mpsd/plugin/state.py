@@ -1,16 +1,19 @@
 """The plugin's live allocations on disk, so a restarted plugin still knows them.
 
-One JSON file, replaced atomically (write a temporary file in the same directory, fsync,
-rename, fsync the directory): a crash leaves the old or the new file, never half of one.
+A snapshot (one JSON file, replaced atomically: a temporary file in the same directory,
+fsync, rename, fsync the directory) plus an append-only journal of the changes since
+(one JSON line per change, fdatasync'd before the change returns). See ``StateStore``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
@@ -19,6 +22,7 @@ from ..errors import PluginError
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+JOURNAL_SUFFIX = ".journal"
 
 
 @dataclass(frozen=True)
@@ -67,19 +71,33 @@ class Allocation:
 
 
 class StateStore:
-    """Allocations by ID, mirrored to ``path`` on every change. Thread-safe.
+    """Allocations by ID, on disk before every change returns. Thread-safe.
 
     ``lock`` (re-entrant) is held by every method; hold it yourself to make a read, a
-    decision and a write one step (Allocate recording, garbage collection releasing)."""
+    decision and a write one step (Allocate recording, garbage collection releasing).
 
-    def __init__(self, path: str) -> None:
+    On disk: a snapshot at ``path`` (replaced atomically by ``compact``) and a journal at
+    ``path + ".journal"``: each change appends one JSON line and fdatasyncs it, one small
+    durable write on Allocate's path instead of a whole new file with two fsyncs. Loading
+    reads the snapshot, then replays the journal; a line cut short by a crash (the last
+    one) is dropped, as its change never returned. Replaying is idempotent: a journal left
+    behind by a crash between a snapshot and its truncation replays to that snapshot."""
+
+    def __init__(self, path: str, compact_every: int = 4096) -> None:
         self.path = path
+        self.journal_path = path + JOURNAL_SUFFIX
+        self.compact_every = compact_every  # journal lines that make a write compact at once
         self.lock = threading.RLock()
         self._allocations: dict[str, Allocation] = {}
+        self._journal_fd: int | None = None
+        self._journal_size = 0
+        self.journal_lines = 0
 
     def load(self) -> dict[str, Allocation]:
-        """Read ``path`` if it exists. A damaged file is kept aside and reported, not fatal."""
+        """Read the snapshot and replay the journal. A damaged snapshot is moved aside and
+        reported, not fatal; a damaged journal line ends the replay, the journal is moved aside."""
         with self.lock:
+            self.close()  # a journal moved aside is not written on
             try:
                 with open(self.path, encoding="utf-8") as f:
                     data = json.load(f)
@@ -88,17 +106,55 @@ class StateStore:
                 allocations = [Allocation.from_json(a) for a in data["allocations"]]
             except FileNotFoundError:
                 allocations = []
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                aside = f"{self.path}.bad"
-                log.error("state file unreadable path=%s error=%s kept_as=%s", self.path, exc, aside)
-                try:
-                    os.replace(self.path, aside)
-                except OSError:
-                    pass
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+                # RecursionError: deep nesting; ValueError also covers bad UTF-8 and huge integers
+                aside = self._move_aside()
+                reason = " ".join(str(exc).split())[:200]
+                log.error("state file unreadable path=%s error=%s kept_as=%s", self.path, reason, aside)
                 allocations = []
             self._allocations = {a.allocation_id: a for a in allocations}
-            log.info("state loaded path=%s allocations=%d", self.path, len(self._allocations))
+            replayed = self._replay()
+            log.info(
+                "state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed
+            )
             return dict(self._allocations)
+
+    def _replay(self) -> int:
+        try:
+            with open(self.journal_path, "rb") as f:
+                content = f.read()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            log.error("state journal unreadable path=%s error=%s", self.journal_path, exc.strerror or exc)
+            return 0
+        lines = content.split(b"\n")
+        complete, tail = lines[:-1], lines[-1]  # tail: b"" or a line a crash cut short
+        for n, line in enumerate(complete):
+            try:
+                self._apply(json.loads(line))
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+                reason = " ".join(str(exc).split())[:200]
+                aside = _move_aside(self.journal_path)  # the next compaction would empty it
+                log.error("state journal line unreadable path=%s line=%d error=%s (later lines ignored) kept_as=%s",
+                          self.journal_path, n + 1, reason, aside)
+                return n
+        if tail:
+            log.warning("state journal ends in a partial line (a crash while writing) path=%s", self.journal_path)
+        return len(complete)
+
+    def _apply(self, entry: dict) -> None:
+        if "put" in entry:
+            for a in [Allocation.from_json(x) for x in entry["put"]]:
+                self._allocations[a.allocation_id] = a
+        elif "remove" in entry:
+            for i in entry["remove"]:
+                self._allocations.pop(str(i), None)
+        else:
+            raise ValueError(f"unknown entry {sorted(entry)!r}")
+
+    def _move_aside(self) -> str:
+        return _move_aside(self.path)
 
     def all(self) -> list[Allocation]:
         with self.lock:
@@ -109,26 +165,113 @@ class StateStore:
             return self._allocations.get(allocation_id)
 
     def put(self, allocation: Allocation) -> None:
-        with self.lock:
-            self._allocations[allocation.allocation_id] = allocation
-            self._write()
+        self.put_many([allocation])
 
     def put_many(self, allocations: Iterable[Allocation]) -> None:
         with self.lock:
-            for a in allocations:
+            items = list(allocations)
+            self._append({"put": [a.to_json() for a in items]})
+            for a in items:
                 self._allocations[a.allocation_id] = a
-            self._write()
+            self._compact_if_long()
 
     def remove(self, allocation_ids: Iterable[str]) -> list[Allocation]:
         with self.lock:
-            gone = [self._allocations.pop(i) for i in list(allocation_ids) if i in self._allocations]
+            gone = [self._allocations[i] for i in dict.fromkeys(allocation_ids) if i in self._allocations]
             if gone:
-                self._write()
+                self._append({"remove": [a.allocation_id for a in gone]})
+                for a in gone:
+                    del self._allocations[a.allocation_id]
+                self._compact_if_long()
             return gone
 
-    def _write(self) -> None:
-        data = {"version": FORMAT_VERSION, "allocations": [a.to_json() for a in self._allocations.values()]}
-        write_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+    def _compact_if_long(self) -> None:
+        if self.journal_lines >= self.compact_every:
+            self.compact()
+
+    def compact(self) -> None:
+        """Write the snapshot (atomically) and empty the journal. Off Allocate's path: at
+        start, from the usage round, or when the journal reaches ``compact_every`` lines."""
+        with self.lock:
+            data = {"version": FORMAT_VERSION, "allocations": [a.to_json() for a in self._allocations.values()]}
+            write_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            try:
+                fd = self._journal()
+                os.ftruncate(fd, 0)
+                os.fsync(fd)
+            except OSError as exc:
+                raise PluginError(f"cannot empty {self.journal_path}: {exc.strerror or exc}") from exc
+            self._journal_size = 0
+            self.journal_lines = 0
+
+    def close(self) -> None:
+        with self.lock:
+            if self._journal_fd is not None:
+                os.close(self._journal_fd)
+                self._journal_fd = None
+
+    def _append(self, entry: dict) -> None:
+        """One line, durable before the change is made in memory (and before Allocate answers).
+        A failed write (a full disk) is cut off again, so the journal never holds half a line."""
+        line = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+        try:
+            fd = self._journal()
+            try:
+                if os.write(fd, line) != len(line):  # O_APPEND; short only when the disk is full
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fdatasync(fd)
+            except OSError:
+                os.ftruncate(fd, self._journal_size)
+                raise
+        except OSError as exc:
+            raise PluginError(f"cannot write {self.journal_path}: {exc.strerror or exc}") from exc
+        self._journal_size += len(line)
+        self.journal_lines += 1
+
+    def _journal(self) -> int:
+        """The journal's descriptor, opened once; a line a crash cut short is cut off first, so
+        that the next line starts on a line of its own."""
+        if self._journal_fd is not None:
+            return self._journal_fd
+        directory = os.path.dirname(os.path.abspath(self.journal_path))
+        os.makedirs(directory, exist_ok=True)
+        created = not os.path.lexists(self.journal_path)
+        fd = os.open(self.journal_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size:
+                with open(self.journal_path, "rb") as f:
+                    content = f.read()
+                keep = content.rfind(b"\n") + 1
+                if keep != size:
+                    os.ftruncate(fd, keep)
+                    os.fsync(fd)
+                    size = keep
+            if created:  # the new name itself must survive a crash
+                dir_fd = os.open(directory, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._journal_fd = fd
+        self._journal_size = size
+        return fd
+
+
+def _move_aside(path: str) -> str:
+    """Rename a damaged file to ``<path>.bad`` (``.bad.<ns>`` if that exists already): nothing
+    is lost, and the next write starts a good file. The new name, or why not."""
+    aside = f"{path}.bad"
+    if os.path.lexists(aside):
+        aside = f"{path}.bad.{time.time_ns()}"
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        return f"(not moved: {exc.strerror or exc})"
+    return aside
 
 
 def write_atomic(path: str, content: bytes, mode: int = 0o644) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -16,9 +17,12 @@ from typing import Callable, Iterable, Mapping
 from ..errors import MpsdError
 from ..metrics import AllocationUsage
 from .kubelet import Holder, list_holders
+from .slicing import allocation_id
 from .state import Allocation, StateStore
 
 log = logging.getLogger(__name__)
+
+_DIR_NAME = re.compile(r"(alloc-[0-9a-f]{16})(?:-[0-9a-f]{1,32})?")  # an allocation's directory: ID-random
 
 UsageReader = Callable[[str], Mapping[int, int]]  # region file -> bytes used per ordinal
 
@@ -93,12 +97,16 @@ def usage_rows(
 
 def shim_usage(region_path: str, library: str | None = None) -> dict[int, int]:
     """Bytes in use per device ordinal in a shim region, read through ``library`` (default:
-    shim.library_path()); {} when no process created the region yet."""
-    if not os.path.exists(region_path):
+    shim.library_path()); {} when no process created the region yet. The region is a pod's
+    file: shim.usage refuses a symlink, a FIFO or an oversized file without opening it, and
+    reads a private copy of it."""
+    if not os.path.lexists(region_path):  # lexists: a symlink is refused by shim.usage, not skipped
         return {}
     import shim  # the interposer's Python side; imported late so the plugin starts without it
 
-    return {int(d.device): int(d.used) for d in shim.usage(region_path, library=library)}
+    # copy: the plugin runs inside mpsd, and a pod truncating its region while a mapping of it
+    # is read would kill mpsd (and the node's MPS daemon with it) with SIGBUS
+    return {int(d.device): int(d.used) for d in shim.usage(region_path, library=library, copy=True)}
 
 
 class UsageTracker:
@@ -126,6 +134,7 @@ class UsageTracker:
         self.gc_grace = gc_grace
         self._warned: set[str] = set()
         self._missing_since: dict[str, float] = {}
+        self._unnamed_since: dict[str, float] = {}  # directory name -> first round no allocation named it
 
     def tick(self, now: float | None = None) -> list[AllocationUsage]:
         """One round: labels, garbage collection, metrics. Returns the rows pushed."""
@@ -141,10 +150,13 @@ class UsageTracker:
         self._label(result.keep)
         if result.stale:
             self.collect(result.stale)
+        self.sweep(holders, now)
         used = {a.allocation_id: self._read(a) for a in result.keep}
         rows = usage_rows(result.keep, used, self.gpu_index)
         if self.metrics is not None:
             self.metrics.set_allocations(rows)
+        if self.store.journal_lines:
+            self.store.compact()  # here, off Allocate's path
         return rows
 
     def _label(self, labelled: list[Allocation]) -> None:
@@ -169,8 +181,44 @@ class UsageTracker:
         with self.store.lock:
             stale = [a for a in stale if self.store.get(a.allocation_id) == a]
             self.store.remove(a.allocation_id for a in stale)
-            for a in stale:
-                self._release(a)
+        for a in stale:  # outside the lock: a pod's many files never hold up Allocate, and
+            self._release(a)  # a directory name is never handed out again once created
+
+    def sweep(self, holders: Mapping[frozenset[str], Holder] | None, now: float) -> list[str]:
+        """Remove the directories in regionDir that no stored allocation names any more, once
+        unnamed for the grace period: those of allocations given to a new pod since (the same
+        device IDs, a fresh directory), and, when the pod-resources API answers, those of
+        device sets no container holds (left by a crash between mkdir and the state write).
+        A directory whose device set a container holds but the state does not know (a state
+        file lost) is kept. Names not of the form ``alloc-<hex>-<hex>`` are not ours: kept.
+        Returns the paths removed."""
+        with self.store.lock:  # Allocate creates and records under it: no half-made entry
+            current = self.store.all()
+            try:
+                names = os.listdir(self.region_root)
+            except OSError:
+                return []
+        named = {os.path.basename(a.region_dir) for a in current}
+        stored = {a.allocation_id for a in current}
+        held = None if holders is None else {allocation_id(ids) for ids in holders}
+        since: dict[str, float] = {}
+        removed = []
+        for name in names:
+            match = _DIR_NAME.fullmatch(name)
+            if name in named or match is None:
+                continue
+            owner = match.group(1)
+            if owner not in stored and (held is None or owner in held):
+                continue
+            since[name] = first = min(self._unnamed_since.get(name, now), now)
+            if now - first >= self.gc_grace:
+                path = os.path.join(self.region_root, name)
+                log.info("region directory removed path=%s (no allocation names it)", path)
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                del since[name]
+        self._unnamed_since = since
+        return removed
 
     def _release(self, a: Allocation) -> None:
         log.info("allocation released allocation=%s devices=%s", a.allocation_id, ",".join(a.device_ids))
@@ -184,7 +232,8 @@ class UsageTracker:
         try:
             return self.usage_reader(path)
         except Exception as exc:  # a damaged or foreign region must not stop the others
-            self._warn_once(a.allocation_id, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
+            # once per directory: a new pod on the same slices has a directory of its own
+            self._warn_once(path, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
             return {}
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:

@@ -180,9 +180,53 @@ def test_service_account_exists_and_no_rbac_is_granted(node_kustomization: str) 
     assert not [o for o in objects if o["kind"] in {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}]
 
 
+REGION_TMPFS = "region-tmpfs"  # the one init container that mounts regionDir's tmpfs (privileged)
+
+
+def region_tmpfs(spec: dict[str, Any]) -> dict[str, Any]:
+    (init,) = [c for c in spec.get("initContainers", []) if c["name"] == REGION_TMPFS]
+    return init
+
+
+def test_region_dir_gets_a_size_limited_tmpfs_that_reaches_the_host(node_kustomization: str) -> None:
+    # What pods write in their allocation directories (0777) is bounded by a tmpfs at regionDir,
+    # mounted before mpsd starts, apart from the node's disk and from stateDir's state file.
+    spec = pod_spec(node_kustomization)
+    cfg = raw_config(node_kustomization)
+    init = region_tmpfs(spec)
+    assert spec["initContainers"][0]["name"] == REGION_TMPFS  # before anything else runs
+    command = init["command"]
+    assert command[:3] == ["python", "-m", "mpsd.plugin.regionfs"]
+    path, size = command[3], command[4]
+    assert path == cfg["devicePlugin"]["regionDir"]
+    from mpsd.plugin.regionfs import parse_size
+
+    assert 16 << 20 <= parse_size(size) <= 1 << 30
+    assert "--inodes" in command
+    # the mount is made inside a hostPath mounted Bidirectional, so the host (where the
+    # container runtime bind-mounts each pod's directory) sees it; mpsd sees it too
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (carrier,) = [m for m in init["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
+    assert path.startswith(carrier["mountPath"].rstrip("/") + "/")
+    assert volumes[carrier["name"]]["hostPath"]["path"] == carrier["mountPath"]
+    seen = [m for m in main_container(spec)["volumeMounts"] if m["name"] == carrier["name"]]
+    assert seen and seen[0]["mountPropagation"] == "HostToContainer"
+    # the state file is in stateDir, outside regionDir (the plugin refuses it inside)
+    state_dir = cfg["stateDir"].rstrip("/") + "/"
+    assert not state_dir.startswith(path.rstrip("/") + "/")
+
+
 def test_least_privilege(node_kustomization: str) -> None:
     spec = pod_spec(node_kustomization)
+    init = region_tmpfs(spec)
+    # privileged only to mount one tmpfs (mount(2), and Bidirectional propagation needs it);
+    # it runs one command and exits before mpsd starts
+    assert init["securityContext"] == {"privileged": True, "runAsUser": 0}
+    assert [m["name"] for m in init["volumeMounts"]] == ["state-dir"]
+    assert "memory" in init["resources"]["limits"]
     for container in spec["containers"] + spec.get("initContainers", []):
+        if container is init:
+            continue
         ctx = container["securityContext"]
         assert ctx.get("privileged", False) is False, container["name"]
         assert ctx["allowPrivilegeEscalation"] is False, container["name"]

@@ -69,3 +69,76 @@ def test_cli_path_and_usage(holder_exe, shim_lib, tmp_path, run_client):
     assert bad.returncode == 1 and bad.stderr.startswith("error: cannot read region") and bad.stdout == ""
     missing = run_client([sys.executable, "-m", "shim", "path"], env={"MPSSHIM_LIBRARY": "/no/lib.so"})
     assert missing.returncode == 1 and "MPSSHIM_LIBRARY='/no/lib.so' does not name a file" in missing.stderr
+
+
+def _within(seconds, fn):
+    """fn() on a thread: its result or exception, or a failure if it is still running after ``seconds``."""
+    import threading
+
+    out: list = []
+
+    def run():
+        try:
+            out.append(fn())
+        except BaseException as exc:  # handed to the caller
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds}s"
+    return out[0]
+
+
+def test_usage_refuses_a_fifo_a_symlink_and_an_oversized_file_without_blocking(holder_exe, shim_lib, tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real = tmp_path / "real"
+    a = hold(holder_exe, real, f"0:{4 * G}:{G}")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    huge = tmp_path / "huge"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 40)  # sparse: a terabyte that a reader must not map or read
+    try:
+        err = _within(10, lambda: shim.usage(fifo, library=shim_lib))
+        assert isinstance(err, shim.RegionError) and "not a regular file" in str(err) and "\n" not in str(err)
+        err = _within(10, lambda: shim.usage(link, library=shim_lib))
+        assert isinstance(err, shim.RegionError) and "symbolic link" in str(err) and str(link) in str(err)
+        err = _within(10, lambda: shim.usage(huge, library=shim_lib))
+        assert isinstance(err, shim.RegionError) and "bytes" in str(err)
+        assert [(d.device, d.used) for d in shim.usage(real, library=shim_lib)] == [(0, G)]  # a real one still reads
+    finally:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # unblock a reader stuck in open() (old code)
+        except OSError:
+            pass
+        a.kill()
+        a.wait()
+
+
+def test_cli_usage_of_a_fifo_is_one_line_and_exit_1(shim_lib, tmp_path, run_client):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = run_client([sys.executable, "-m", "shim", "usage", str(fifo)], env={"MPSSHIM_LIBRARY": str(shim_lib)},
+                      timeout=20)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and "not a regular file" in proc.stderr
+
+
+def test_usage_of_a_private_copy_has_the_same_figures_and_no_liveness(holder_exe, shim_lib, tmp_path):
+    region = tmp_path / "region"
+    a = hold(holder_exe, region, f"0:{4 * G}:{G}")
+    try:
+        mapped = shim.usage(region, library=shim_lib)
+        copied = shim.usage(region, library=shim_lib, copy=True)
+        assert [(d.device, d.cap, d.used) for d in copied] == [(d.device, d.cap, d.used) for d in mapped]
+        assert [(p.pid, p.alive) for p in mapped[0].processes] == [(a.pid, True)]
+        assert [(p.pid, p.alive) for p in copied[0].processes] == [(a.pid, False)]  # a copy holds no locks
+    finally:
+        a.kill()
+        a.wait()

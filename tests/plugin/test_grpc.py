@@ -265,11 +265,13 @@ def test_restarted_plugin_restores_allocations_from_disk(env, kubelet):
         assert a.device_ids == (f"{g[0].uuid}::3", f"{g[0].uuid}::4")
         assert a.memory_limits == {0: 16 * GIB}
         assert a.region_dir == region and os.path.isdir(region)
-        # the same devices again: same allocation, same region, nothing duplicated
+        # the same devices again (a new pod): the same allocation, recorded once, in a new
+        # directory (the previous tenant's region is not handed on; GC removes it later)
         _, s = stub(second)
         again = allocate(s, [f"{g[0].uuid}::4", f"{g[0].uuid}::3"]).container_responses[0]
-        assert {m.container_path: m.host_path for m in again.mounts}["/run/mpsd"] == region
-        assert len(second.store.all()) == 1
+        fresh = {m.container_path: m.host_path for m in again.mounts}["/run/mpsd"]
+        assert fresh != region and os.listdir(fresh) == []
+        assert [x.region_dir for x in second.store.all()] == [fresh]
     finally:
         second.stop()
 

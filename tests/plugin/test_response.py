@@ -42,15 +42,16 @@ def test_container_env(devices, expected):
 
 def test_container_mounts():
     plan = plan_allocation(["GPU-a::0"], G, 10)
-    mounts = [(m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, PATHS)]
+    own = f"/var/lib/mpsd/regions/{plan.allocation_id}-0123456789ab"
+    mounts = [(m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, PATHS, own)]
     assert mounts == [
         ("/run/mps", "/run/mps", False),
-        (f"/var/lib/mpsd/regions/{plan.allocation_id}", "/run/mpsd", False),
+        (own, "/run/mpsd", False),
         ("/var/lib/mpsd/lib", "/run/mpsd-shim", True),
     ]
     tmpfs = HostPaths(PATHS.pipe_dir, PATHS.region_dir, PATHS.shim_host_dir, ipc_mode="tmpfs", shm_dir="/var/lib/mpsd/shm")
     assert ("/var/lib/mpsd/shm", "/dev/shm", False) in [
-        (m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, tmpfs)
+        (m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, tmpfs, own)
     ]
 
 

@@ -48,7 +48,10 @@ def test_remove_and_reload(tmp_path):
     store.put(b)
     assert [x.allocation_id for x in store.remove(["a1", "zz"])] == ["a1"]
     assert list(StateStore(path).load()) == ["b1"]
-    assert os.listdir(tmp_path) == ["s.json"]  # no temporary files left
+    store.compact()
+    assert sorted(os.listdir(tmp_path)) == ["s.json", "s.json.journal"]  # no temporary files left
+    assert (tmp_path / "s.json.journal").stat().st_size == 0
+    assert list(StateStore(path).load()) == ["b1"]
 
 
 def test_missing_file_is_an_empty_state(tmp_path):
@@ -87,7 +90,106 @@ def test_write_atomic_failure_is_one_line(tmp_path):
 
 def test_state_file_is_json_with_a_version(tmp_path):
     path = tmp_path / "s.json"
-    StateStore(str(path)).put(Allocation("a1", ("GPU-a::0",), ("GPU-a",), {0: GIB}, 10.0, "/r/a1", 1.0))
+    store = StateStore(str(path))
+    store.put(Allocation("a1", ("GPU-a::0",), ("GPU-a",), {0: GIB}, 10.0, "/r/a1", 1.0))
+    store.compact()
     data = json.loads(path.read_text())
     assert data["version"] == 1
     assert data["allocations"][0]["memory_limits"] == {"0": GIB}
+
+
+def alloc(i: int, created: float = 1.0) -> Allocation:
+    return Allocation(f"a{i}", (f"GPU-a::{i}",), ("GPU-a",), {0: GIB}, 10.0, f"/r/a{i}", created)
+
+
+def test_a_line_cut_short_by_a_crash_is_dropped_and_the_next_write_starts_clean(tmp_path, caplog):
+    path = str(tmp_path / "s.json")
+    store = StateStore(path)
+    store.put(alloc(1))
+    store.put(alloc(2))
+    store.close()
+    with open(path + ".journal", "ab") as f:
+        f.write(b'{"put":[{"allocation_id":"a3"')  # the process died inside a write
+    with caplog.at_level("WARNING", logger="mpsd.plugin.state"):
+        restarted = StateStore(path)
+        assert sorted(restarted.load()) == ["a1", "a2"]
+    assert "partial line" in caplog.text
+    restarted.put(alloc(4))
+    assert sorted(StateStore(path).load()) == ["a1", "a2", "a4"]
+
+
+def test_a_journal_left_behind_by_a_crash_during_compaction_replays_to_the_snapshot(tmp_path):
+    path = str(tmp_path / "s.json")
+    store = StateStore(path)
+    store.put(alloc(1, created=1.0))
+    store.put(alloc(1, created=2.0))  # changed again
+    store.put(alloc(2))
+    store.remove(["a2"])
+    journal = (tmp_path / "s.json.journal").read_bytes()
+    store.compact()
+    (tmp_path / "s.json.journal").write_bytes(journal)  # as if the crash came before the truncation
+    assert StateStore(path).load() == {"a1": alloc(1, created=2.0)}
+
+
+def test_compaction_happens_by_itself_after_many_lines(tmp_path):
+    path = str(tmp_path / "s.json")
+    store = StateStore(path, compact_every=10)
+    for i in range(25):
+        store.put(alloc(i))
+    assert store.journal_lines == 5
+    assert len(json.loads((tmp_path / "s.json").read_text())["allocations"]) == 20
+    assert len(StateStore(path).load()) == 25
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_refuses_the_change_with_one_line_and_loses_nothing(tmp_path):
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    path = str(mnt / "s.json")
+    store = StateStore(path)
+    try:
+        store.put(alloc(1))
+        filler = mnt / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"x" * 4096) == 4096:
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with pytest.raises(PluginError, match=r"cannot write .*s\.json\.journal: No space left") as info:
+            store.put(Allocation("a2", ("GPU-a::2",), ("GPU-a",), {0: GIB}, 10.0, "/r/" + "x" * 8000, 1.0))
+        assert "\n" not in str(info.value)
+        assert sorted(store.all(), key=lambda a: a.allocation_id) == [alloc(1)]  # memory unchanged too
+        filler.unlink()
+        store.put(alloc(3))
+        assert sorted(StateStore(path).load()) == ["a1", "a3"]
+    finally:
+        store.close()
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_damaged_journal_line_ends_the_replay_and_the_journal_is_kept_aside(tmp_path, caplog):
+    path = str(tmp_path / "s.json")
+    store = StateStore(path)
+    store.put(alloc(1))
+    store.close()
+    with open(path + ".journal", "ab") as f:
+        f.write(b'{"put": 7}\n')
+    store = StateStore(path)
+    store.put(alloc(2))  # written after the damaged line: not replayed, but kept in the file aside
+    store.close()
+    content = (tmp_path / "s.json.journal").read_bytes()
+    with caplog.at_level("ERROR", logger="mpsd.plugin.state"):
+        restarted = StateStore(path)
+        assert sorted(restarted.load()) == ["a1"]
+    assert "line=2" in caplog.text
+    assert (tmp_path / "s.json.journal.bad").read_bytes() == content
+    restarted.compact()
+    restarted.put(alloc(3))
+    assert sorted(StateStore(path).load()) == ["a1", "a3"]

@@ -141,7 +141,7 @@ def test_devices_handed_out_again_are_not_collected_before_the_kubelet_lists_the
         allocate(s, ids)
         plugin.tracker.tick(now=time.time() + 1)
         (kept,) = plugin.store.all()
-        assert kept.created == aged.created and kept.allocated > aged.created + 3000
+        assert kept.created > aged.created + 3000 and kept.region_dir != aged.region_dir  # a new pod's own
         assert os.path.isdir(kept.region_dir)
         plugin.tracker.tick(now=time.time() + 120)  # still not listed two minutes later: released
         assert plugin.store.all() == [] and not os.path.exists(kept.region_dir)
@@ -209,7 +209,7 @@ def test_devices_handed_out_while_a_round_decides_are_not_released(env, kubelet,
         monkeypatch.setattr(usage, "reconcile", reconcile_then_allocate)
         plugin.tracker.tick(now=t0 + 120)  # unlisted for two minutes: decided stale
         (kept,) = plugin.store.all()
-        assert kept.allocated >= first.created and kept.pod == "old-pod"
+        assert kept.created >= first.created and kept.region_dir != first.region_dir  # the new pod's
         assert os.path.isdir(kept.region_dir)  # the new pod's region is still there
     finally:
         plugin.stop()
@@ -240,7 +240,8 @@ def test_labels_written_by_a_round_keep_an_allocate_made_meanwhile(env, kubelet,
         plugin.tracker.tick()
         (now,) = plugin.store.all()
         assert now.pod == "web-0"
-        assert now.allocated > first.created  # the second Allocate's time was not overwritten
+        assert now.created > first.created  # the second Allocate's record was not overwritten
+        assert now.region_dir != first.region_dir
     finally:
         plugin.stop()
         pr.stop()
