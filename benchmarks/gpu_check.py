@@ -174,7 +174,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         shim_json = out / "shim_alloc.json"
         shim_cmd = [
             py,
-            "benchmarks/gpu_shim_alloc.py",
+            "benchmarks/shim_alloc.py",
             "--json",
             str(shim_json),
             "--driver",
@@ -182,6 +182,10 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             "--pairs",
             "2000",
             "--rounds",
+            "1",
+            "--paths",
+            "dlsym",
+            "--procs",
             "1",
         ]
         results["steps"]["shim_alloc"] = run_step("shim_alloc", shim_cmd, tool_env, limits["shim_alloc"], logs)

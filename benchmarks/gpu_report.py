@@ -73,12 +73,13 @@ def _shim(shim: dict[str, Any] | None) -> list[str]:
     lines = [
         f"`{shim['command']}` ({shim['driver']} driver)",
         "",
-        "| bytes | threads | bare ns | shim ns | added ns | ratio |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| path | bytes | threads | processes | bare ns | shim ns | added ns | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in shim["rows"]:
         lines.append(
-            f"| {r['bytes']} | {r['threads']} | {r['bare_ns']} | {r['shim_ns']} | {r['added_ns']} | {r['ratio']} |"
+            f"| {r['path']} | {r['bytes']} | {r['threads']} | {r['procs']} | {r['bare_ns']} | {r['shim_ns']} "
+            f"| {r['added_ns']} | {r['ratio']} |"
         )
     return lines
 
@@ -164,9 +165,10 @@ def plot_shim(shim: dict[str, Any] | None, directory: Path, dry_run: bool) -> li
     except ImportError:
         return []
     directory.mkdir(parents=True, exist_ok=True)
-    labels = [f"{r['bytes'] >> 10} KiB x{r['threads']}" for r in shim["rows"]]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    labels = [f"{r['path']} {r['bytes'] >> 10}K x{r['threads']}x{r['procs']}" for r in shim["rows"]]
+    fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(labels)), 3.5))
     ax.bar(labels, [r["added_ns"] for r in shim["rows"]])
+    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     tag = " (DRY RUN)" if dry_run else f" ({shim['driver']} driver)"
     ax.set(title=f"shim: ns added per alloc+free pair{tag}", ylabel="ns added")
     fig.tight_layout()

@@ -10,7 +10,7 @@ reused across windows (start-up is not measured). Modes, for each model, batch a
               the turns together as long as one window
   timeslice   N clients of the plain pool timed over one window, no MPS (the driver time-slices)
   mps         N clients started by `mpsd exec --no-shim` under `mpsd run` (private pipe dir), one
-              window (no shim in any mode: its cost is measured apart, benchmarks/gpu_shim_alloc.py)
+              window (no shim in any mode: its cost is measured apart, benchmarks/shim_alloc.py --driver real)
 Aggregate throughput = items of all clients / wall time of the mode; p50/p99 latency per client;
 GPU memory = the most NVML reported used on device 0 during the mode's windows, plus each
 client's own peak (torch.cuda.max_memory_reserved). The split runs two MPS clients started with

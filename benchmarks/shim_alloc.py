@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/shim_alloc.py [--shim LABEL=PATH]... [--json FILE]
         [--paths link,dlsym,gpa] [--sizes 4096,1048576] [--threads 1,8] [--procs 1,2]
-        [--pairs N] [--rounds R] [--warmup W]
+        [--pairs N] [--rounds R] [--warmup W] [--driver fake|real]
 
-Builds the fake libcuda.so.1 (tests/fakes, bound to itself like NVIDIA's) and the client
-benchmarks/shim_alloc.c into a temporary directory. Each --shim is a libmpsshim.so to measure
-(several: e.g. --shim before=old.so --shim after=new.so compares two builds in one run); with
+Builds the client benchmarks/shim_alloc.c into a temporary directory, against the fake
+libcuda.so.1 (tests/fakes, bound to itself like NVIDIA's; the default) or, with --driver real,
+against the libcuda.so.1 this machine's loader finds (a GPU machine: tests/gpu runs it so).
+Each --shim is a libmpsshim.so to measure (several: e.g. --shim before=old.so --shim after=new.so compares two builds in one run); with
 none, the shim is built from this checkout and labelled "shim". For every shape (how the client
 reaches the driver, allocation size, threads per process, processes) it runs the client R times
 bare and R times under each shim, alternating so drift hits all alike. Under a shim the cap is
@@ -25,6 +26,7 @@ run, --markdown the table as docs/benchmarks.md shows it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import os
@@ -46,25 +48,32 @@ def _run(cmd: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
 
 
-def build(work: Path, want_shim: bool) -> tuple[Path, Path, Path, Path | None]:
-    """The fake driver's directory, the plain and linked clients, and the checkout's shim if wanted."""
-    fake = work / "fake"
-    _run(
-        [
-            "make",
-            "-s",
-            "-C",
-            str(REPO / "tests/fakes"),
-            f"OUT_DIR={fake}",
-            "LDFLAGS=-shared -Wl,-Bsymbolic-functions",
-            "cuda",
-        ]
-    )
+def real_libcuda() -> Path:
+    """The libcuda.so.1 this machine's dynamic loader picks (found as a program finds it)."""
+    ctypes.CDLL("libcuda.so.1")
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith("libcuda.so"):
+            return Path(path)
+    raise SystemExit("libcuda.so.1 loaded but not found in /proc/self/maps")
+
+
+def build(work: Path, want_shim: bool, driver: str = "fake") -> tuple[Path | None, Path, Path, Path | None]:
+    """The fake driver's directory (None for the real driver), the plain and linked clients, and
+    the checkout's shim if wanted."""
+    fake: Path | None = None
+    if driver == "fake":
+        fake = work / "fake"
+        _run(["make", "-s", "-C", str(REPO / "tests/fakes"), f"OUT_DIR={fake}",
+              "LDFLAGS=-shared -Wl,-Bsymbolic-functions", "cuda"])  # fmt: skip
+        libcuda = fake / "libcuda.so.1"
+    else:
+        libcuda = real_libcuda()
     src = str(REPO / "benchmarks/shim_alloc.c")
-    flags = ["cc", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror"]
+    flags = [os.environ.get("CC", "cc"), "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror"]
     plain, linked = work / "shim_alloc", work / "shim_alloc_link"
     _run([*flags, src, "-o", str(plain), "-ldl", "-lpthread"])
-    _run([*flags, "-DLINKED", src, "-o", str(linked), f"-L{fake}", "-lcuda", "-ldl", "-lpthread"])
+    _run([*flags, "-DLINKED", src, "-o", str(linked), str(libcuda), "-ldl", "-lpthread"])
     shim = None
     if want_shim:
         shim = work / "libmpsshim.so"
@@ -153,14 +162,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(
-    args: argparse.Namespace, shims: dict[str, Path], fake: Path, plain: Path, linked: Path, work: Path
+    args: argparse.Namespace, shims: dict[str, Path], fake: Path | None, plain: Path, linked: Path, work: Path
 ) -> list[dict[str, Any]]:
     base = {
         k: v
         for k, v in os.environ.items()
         if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE", "MPSSHIM_REGION")
     }
-    bare_env = {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
+    bare_env = base if fake is None else {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
     results = []
     shapes = itertools.product(args.paths, args.sizes, args.threads, args.procs)
     for n, (path, size, threads, nprocs) in enumerate(shapes):
@@ -236,6 +245,22 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def flat_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per shape and library: what a summary table or a plot needs."""
+    return [
+        {
+            **{k: row[k] for k in ("path", "bytes", "threads", "procs")},
+            "shim": label,
+            "bare_ns": round(row["bare"]["wall_ns_per_pair"], 1),
+            "shim_ns": round(s["wall_ns_per_pair"], 1),
+            "added_ns": round(s["added_ns"], 1),
+            "ratio": round(s["ratio"], 3),
+        }
+        for row in results
+        for label, s in row["shims"].items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -254,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2000, help="untimed pairs per thread first (default 2000)")
     ap.add_argument("--json", type=Path, help="write every figure and run here")
     ap.add_argument("--markdown", type=Path, help="write the table for docs/benchmarks.md here")
+    ap.add_argument("--driver", choices=("fake", "real"), default="fake", help="fake (tests/fakes) or this machine's")
     args = ap.parse_args(argv)
     paths = args.paths.split(",")
     if not paths or any(p not in ("link", "dlsym", "gpa") for p in paths):
@@ -267,12 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     shims = parse_shims(args.shim)
     with tempfile.TemporaryDirectory(prefix="shim-bench-") as tmp:
         work = Path(tmp)
-        fake, plain, linked, own = build(work, want_shim=not shims)
+        fake, plain, linked, own = build(work, want_shim=not shims, driver=args.driver)
         if own is not None:
             shims = {"shim": own}
         load = os.getloadavg()
         print(
-            f"alloc+free pairs, {args.pairs} per thread per run, median of {args.rounds} runs; "
+            f"alloc+free pairs against the {args.driver} driver, {args.pairs} per thread per run, "
+            f"median of {args.rounds} runs; "
             f"{os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         )
         print(header(list(shims)))
@@ -285,10 +312,12 @@ def main(argv: list[str] | None = None) -> int:
             "load_after": list(os.getloadavg()),
             "platform": platform.platform(),
         },
+        "driver": args.driver,
         "settings": {"pairs_per_thread": args.pairs, "rounds": args.rounds, "warmup_per_thread": args.warmup},
         "targets_ns_added": {"single_thread": TARGET_ONE, "threads": TARGET_MANY},
         "shims": {label: str(path) for label, path in shims.items()},
         "results": results,
+        "rows": flat_rows(results),
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
