@@ -67,7 +67,11 @@ ms_region *ms_reg_by_id(unsigned long id);
 int ms_check_totals(const ms_hdr *h, const char *path, char *err, size_t errlen);
 
 /* Fault injection (test builds, -DMS_FAULT_INJECT): MS_FAULT("step") kills the process with
- * SIGKILL when MPSSHIM_FAULT names that step ("step" or "step:N" for its Nth passage). */
+ * SIGKILL when MPSSHIM_FAULT names that step ("step" or "step:N" for its Nth passage; a
+ * trailing ":stop" sends SIGSTOP instead). Steps: claim.{marked,locked,done},
+ * charge.{announced,applied,folded}, uncharge.{announced,applied,folded},
+ * repair.{locked,resolved,announced,applied,folded,freed} (repair.* also run when a process
+ * closes the region and gives its own slot back). */
 #ifdef MS_FAULT_INJECT
 void ms_fault_point(const char *step);
 #define MS_FAULT(step) ms_fault_point(step)

@@ -37,8 +37,9 @@ static void ms_layout_fill(ms_hdr *h) {
     h->nslots = MS_SLOTS;
     h->ndevices = MS_MAX_DEVICES;
     h->nlanes = MS_LANES;
-    __atomic_thread_fence(__ATOMIC_RELEASE);
-    memcpy(h->magic, MS_MAGIC, sizeof h->magic);
+    uint64_t magic;
+    memcpy(&magic, MS_MAGIC, sizeof magic);
+    __atomic_store_n((uint64_t *)(void *)h->magic, magic, __ATOMIC_RELEASE); /* last: the header is whole */
 }
 
 /* Magic and version, from the first bytes (before the size is judged). */
