@@ -549,3 +549,38 @@ def test_a_default_region_planted_by_someone_else_is_refused_with_one_line(shim:
     assert {"another user's file": "uid 4242", "symlink": "symbolic link", "fifo": "not a regular file",
             "directory": "Is a directory"}[what] in r.stderr_lines[0]
     assert target.read_bytes() == b"host data"
+
+
+def test_a_co_tenant_stopped_in_a_tight_alloc_free_loop_never_blocks_another_client(shim: ShimEnv) -> None:
+    """Four threads of one client allocate and free 4 KiB through the shim as fast as they can;
+    it is SIGSTOPped at random moments, twenty times. Every time, another client of the same
+    region initialises, allocates and frees at once (no cross-process lock on the way)."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+
+    env = shim.env("0=1G", {"MPSSHIM_LOG": "0"})
+    loop = subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "hammer", 4, 10**12, 4096, G]), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rng = random.Random(11)
+    try:
+        time.sleep(0.2)
+        for _ in range(20):
+            time.sleep(rng.uniform(0.001, 0.03))
+            os.kill(loop.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                other = subprocess.run(shim.argv("gpa2", ["init", "ctx", 0, "alloc", M, "free", "alloc", M]), env=env,
+                                       capture_output=True, text=True, timeout=20, check=False)
+                assert other.returncode == 0 and "alloc rc=0" in other.stdout, other.stdout + other.stderr
+                assert time.monotonic() - t0 < 10
+            finally:
+                os.kill(loop.pid, signal.SIGCONT)
+            assert loop.poll() is None
+    finally:
+        loop.kill()
+        loop.wait()
+    after = shim.run("gpa2", ["init", "ctx", 0, "info"], limit="0=1G")
+    assert after.of("info")[0]["free"] == G  # the killed looper's charges came back
