@@ -1,5 +1,6 @@
 /* Private to the region's two halves (contract in region.h):
- *   region.c       the accounting: lanes, charge/uncharge, claiming slots, repairing dead ones;
+ *   region.c       the accounting: the design, lanes, charge/uncharge;
+ *   region_slots.c claiming slots, repairing those of dead processes;
  *   region_open.c  opening, creating and validating the file, handles across fork, snapshot. */
 #ifndef MPSSHIM_REGION_IMPL_H
 #define MPSSHIM_REGION_IMPL_H
@@ -43,11 +44,20 @@ extern unsigned long ms_forkgen;
 static inline uint64_t ms_ld(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 static inline void ms_st(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 
+/* A device word's tag: the operation (sequence number, slot, lane) that last changed it. */
+#define MS_TAG(seq, slot, lane) ((uint64_t)(seq) << 12 | (uint64_t)(slot) << 4 | (uint64_t)(lane))
+
 /* region.c */
 /* A slot's share of a device: the sum of its lanes (modulo 2^64). */
 uint64_t ms_slot_share(const ms_slot *s, int d);
 /* 1 if the handle's slot belongs to this process (not inherited across fork). */
 int ms_bound(const ms_region *r);
+/* Step 1 of an operation on lane L (nothing in flight there); returns its sequence number. */
+uint64_t ms_announce(ms_lane *L, uint32_t kind, int dev, uint64_t delta, uint64_t pnew);
+/* Step 2 of a give-back of `take` on dev by lane (slot, lane): never below 0. */
+void ms_apply_down(ms_hdr *h, int dev, uint64_t take, uint64_t seq, int slot, int lane);
+
+/* region_slots.c */
 /* 1 if another open file description holds the lock on byte `off` (or the test fails). */
 int ms_locked_by_other(int fd, size_t off);
 /* Claim a free slot for this process (0, or -1: none free; errno from the last lock attempt). */

@@ -294,7 +294,7 @@ def test_sigkill_inside_charge_and_uncharge(core_bin: Path, repl: Repl, tmp_path
         p = repl()
         assert p.ask(f"open {path}") == "ok"
         assert p.ask(f"charge 0 {cap} {cap}") == f"ok {cap}"
-        assert p.ask("charge 0 {cap} 1".format(cap=cap)) == f"over {cap}"  # exactly the cap: no drift either way
+        assert p.ask(f"charge 0 {cap} 1") == f"over {cap}"  # exactly the cap: no drift either way
         assert p.ask(f"uncharge 0 {cap}") == "left 0" and p.ask("used 0") == "0"
         assert p.ask("close") == "ok"
     assert resolved(path) >= want, f"too few SIGKILLs landed with an operation in flight in {kills} tries"

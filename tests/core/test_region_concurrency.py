@@ -90,7 +90,7 @@ def test_a_repairer_stopped_mid_repair_blocks_nobody(start, tmp_path: Path) -> N
     repairer.proc.stdin.write(f"open {path}\n".encode())
     repairer.proc.stdin.flush()
     deadline = time.monotonic() + 10
-    while not re.search(r"^State:\s+T", Path(f"/proc/{repairer.pid}/status").read_text(), re.M):
+    while not re.search(r"^State:\s+T", Path(f"/proc/{repairer.pid}/status").read_text(), re.MULTILINE):
         assert time.monotonic() < deadline, "the repairer never stopped at its fault point"
         time.sleep(0.01)
     other = start()

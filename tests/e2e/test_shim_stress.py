@@ -97,7 +97,7 @@ def test_a_client_killed_inside_the_shims_charge_is_given_back_exactly(shim_env,
     region = tmp_path / "region"
     env = shim_env(limit=f"0={CAP}", region=region)
     victim = dict(env, LD_PRELOAD=str(fault_lib), MPSSHIM_FAULT=f"{step}:2" if step.startswith("charge") else step)
-    run_py("d = Driver(); d.init(); p = d.alloc(%d); q = d.alloc(%d); d.free(q)\nemit(survived=True)" % (M, 64 * M),
+    run_py(f"d = Driver(); d.init(); p = d.alloc({M}); q = d.alloc({64 * M}); d.free(q)\nemit(survived=True)",
            victim, expect_rc=-signal.SIGKILL)
-    after = run_py("d = Driver(); d.init(); emit(whole=attempt(d.alloc, %d) > 0, more=attempt(d.alloc, 1))" % CAP, env)
+    after = run_py(f"d = Driver(); d.init(); emit(whole=attempt(d.alloc, {CAP}) > 0, more=attempt(d.alloc, 1))", env)
     assert after.one == {"whole": True, "more": {"error": 2}}
