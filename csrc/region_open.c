@@ -215,10 +215,12 @@ static int ms_map(const char *path, int writable, unsigned mode, unsigned flags,
         return ms_fail(err, errlen, fd, NULL,
                        "region %.200s is %lld bytes, expected %zu (truncated, or not this shim's layout %d)", path,
                        (long long)st.st_size, sizeof(ms_hdr), MS_LAYOUT_VERSION);
-    int e;
-    if (writable && (uint64_t)st.st_blocks * 512 < sizeof(ms_hdr) && (e = posix_fallocate(fd, 0, (off_t)sizeof(ms_hdr))) != 0)
+    /* Someone else's sparse file: allocate it now (fallocate(2) itself: glibc's fallback for
+     * filesystems without it writes bytes into the live file), or refuse it on a full disk. */
+    if (writable && (uint64_t)st.st_blocks * 512 < sizeof(ms_hdr) && fallocate(fd, 0, 0, (off_t)sizeof(ms_hdr)) != 0 &&
+        errno != EOPNOTSUPP)
         return ms_fail(err, errlen, fd, NULL, "cannot preallocate region %.200s (%zu bytes): %s", path,
-                       sizeof(ms_hdr), strerror(e));
+                       sizeof(ms_hdr), strerror(errno));
     void *map = mmap(NULL, sizeof(ms_hdr), PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
     if (map == MAP_FAILED)
         return ms_fail(err, errlen, fd, NULL, "cannot map region %.200s: %s", path, strerror(errno));

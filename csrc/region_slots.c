@@ -90,18 +90,18 @@ static void ms_repair(ms_hdr *h, int si, uint64_t state) {
     ms_slot *s = &h->slot[si];
     for (int li = 0; li < MS_LANES; li++) ms_resolve(h, si, li);
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
-        uint64_t c = ms_slot_share(s, d);
-        if (c != 0) {
-            uint64_t seq = ms_announce(&s->lane[0], MS_OP_REPAIR, d, 0 - c, 0);
-            MS_FAULT("repair.announced");
-            ms_apply_down(h, d, c, seq, si, 0);
-            MS_FAULT("repair.applied");
-            for (int k = 0; k < MS_LANES; k++) ms_st(&s->lane[k].share[d], 0);
-            MS_FAULT("repair.folded");
-            __atomic_store_n(&s->lane[0].dseq, seq, __ATOMIC_RELEASE);
-        } else {
-            for (int k = 0; k < MS_LANES; k++) ms_st(&s->lane[k].share[d], 0); /* +x on one lane, -x on another */
-        }
+        int any = 0;
+        for (int k = 0; k < MS_LANES; k++) any |= ms_ld(&s->lane[k].share[d]) != 0;
+        if (!any) continue;
+        /* Even a share of 0 (+x on one lane, -x on another) is zeroed by an operation in flight,
+         * with a new tag: a reader checking the totals never sees half of it. */
+        uint64_t c = ms_slot_share(s, d), seq = ms_announce(&s->lane[0], MS_OP_REPAIR, d, 0 - c, 0);
+        MS_FAULT("repair.announced");
+        ms_apply_down(h, d, c, seq, si, 0);
+        MS_FAULT("repair.applied");
+        for (int k = 0; k < MS_LANES; k++) ms_st(&s->lane[k].share[d], 0);
+        MS_FAULT("repair.folded");
+        __atomic_store_n(&s->lane[0].dseq, seq, __ATOMIC_RELEASE);
     }
     __atomic_compare_exchange_n(&s->state, &state, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED);
     MS_FAULT("repair.freed");

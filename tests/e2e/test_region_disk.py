@@ -114,3 +114,24 @@ def test_a_region_that_cannot_be_preallocated_is_refused_with_one_line(shim_env,
     assert len(lines) == 1, r.stderr
     assert str(region) in lines[0] and "No space left on device" in lines[0]
     assert not region.exists() and [p.name for p in small_fs.iterdir()] == ["filler"]  # nothing half-made left
+
+
+def test_a_sparse_region_someone_else_made_is_refused_on_a_full_disk(shim_env, run_py, tmp_path, small_fs) -> None:
+    """A region file with holes (written by another tool, or copied sparsely): a client allocates
+    its blocks before mapping it, so on a full disk it refuses with one line instead of dying of
+    SIGBUS when it first writes its slot."""
+    made = tmp_path / "made.region"
+    env = shim_env(limit=f"0={512 * M}", region=made)
+    assert run_py("d = Driver(); d.init(); emit(alloc=attempt(d.alloc, 1 << 20) > 0)", env).one == {"alloc": True}
+    data = made.read_bytes()
+    region = small_fs / "region"
+    with open(region, "wb") as f:  # the header, then holes (zeros: free slots)
+        f.truncate(len(data))
+        f.write(data[:4096])
+    fill(small_fs)
+    env = shim_env(limit=f"0={512 * M}", region=region)
+    for _ in range(3):
+        r = run_py("d = Driver(); d.init(); emit(alloc=attempt(d.alloc, 1 << 20))", env)
+        assert r.one == {"alloc": {"error": 2}}
+        lines = [line for line in r.stderr.splitlines() if line.startswith("mpsshim[")]
+        assert len(lines) == 1 and "No space left on device" in lines[0] and str(region) in lines[0], r.stderr
