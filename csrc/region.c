@@ -1,6 +1,6 @@
-/* Container-wide accounting region (contract and layout in region.h): the accounting, i.e.
- * lanes, charge/uncharge, claiming slots and repairing the slots of dead processes. Opening,
- * creating, validating, fork and the snapshot are in region_open.c.
+/* Container-wide accounting region (contract and layout in region.h): the design, lanes,
+ * charge and uncharge. Claiming slots and repairing those of dead processes are in
+ * region_slots.c; opening, creating, validating, fork and the snapshot in region_open.c.
  *
  * Design: no cross-process lock anywhere.
  *  - Per device, used[d] = {val, tag} is changed only by a 16-byte compare-and-swap (CAS). A
@@ -34,9 +34,14 @@
  *  in the middle leaves one more in-flight operation that the next repairer resolves the same
  *  way, so repairs compose. Nothing here waits: the step that "took a lock" is a CAS.
  *  - Who repairs: a survivor that finds a slot's owner dead takes a non-blocking OFD lock on
- *    the slot's second byte (F_OFD_SETLK): only one repairs a slot at a time, a dead repairer's
- *    lock goes with it, and a stopped repairer only delays that one slot's give-back (others
- *    skip it and are never blocked; its memory stays counted, the safe side).
+ *    the slot's second byte (F_OFD_SETLK): of two reclaimers racing, one gets it and the other
+ *    skips the slot; a dead repairer's lock goes with it (the next one resolves what it left in
+ *    flight); a stopped repairer only delays that one slot's give-back (others skip it and are
+ *    never blocked; its memory stays counted, the safe side). Threads of one process share
+ *    their descriptor's locks, so they reclaim one at a time (a process-local mutex).
+ *  - A stopped live process (SIGSTOP, debugger, frozen cgroup) holds nothing anyone needs:
+ *    whatever instruction it stopped at, the others' CASes on the totals just proceed (an
+ *    operation it has in flight is either in the total or not, and its lane says which).
  *  - A reclaimer racing a live process: a slot is repaired only after the owner's liveness lock
  *    was seen free with the repair lock held and the state word unchanged; a live owner holds
  *    its lock from before CLAIMED until after it frees the slot, so a live slot is never touched.
