@@ -77,23 +77,31 @@ static int ms_layout_check(const ms_hdr *h, const char *path, char *err, size_t 
     return 0;
 }
 
-/* The invariant, per device, where it can be told without a lock: no operation in flight
- * anywhere, and the device's word unchanged while the slots were summed. */
+/* The invariant, per device, where it can be told without a lock: no operation in flight on
+ * the device, and its word unchanged while the slots were summed (one pass over the file). */
 int ms_check_totals(const ms_hdr *h, const char *path, char *err, size_t errlen) {
+    uint64_t tag[MS_MAX_DEVICES], val[MS_MAX_DEVICES], sum[MS_MAX_DEVICES] = {0};
+    char busy[MS_MAX_DEVICES] = {0};
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
-        uint64_t tag = __atomic_load_n(&h->used[d].tag, __ATOMIC_ACQUIRE), val = ms_ld(&h->used[d].val);
-        uint64_t sum = 0;
-        int busy = 0;
-        for (int i = 0; i < MS_SLOTS && !busy; i++) {
-            for (int k = 0; k < MS_LANES; k++)
-                busy |= ms_ld(&h->slot[i].lane[k].pseq) != ms_ld(&h->slot[i].lane[k].dseq);
-            sum += ms_slot_share(&h->slot[i], d);
+        tag[d] = __atomic_load_n(&h->used[d].tag, __ATOMIC_ACQUIRE);
+        val[d] = ms_ld(&h->used[d].val);
+    }
+    for (int i = 0; i < MS_SLOTS; i++)
+        for (int k = 0; k < MS_LANES; k++) {
+            const ms_lane *L = &h->slot[i].lane[k];
+            uint32_t pdev = __atomic_load_n(&L->pdev, __ATOMIC_RELAXED);
+            if (ms_ld(&L->pseq) != ms_ld(&L->dseq)) {
+                if (pdev >= MS_MAX_DEVICES) return 0; /* in flight on a device we cannot tell */
+                busy[pdev] = 1;
+            }
+            for (int d = 0; d < MS_MAX_DEVICES; d++) sum[d] += ms_ld(&L->share[d]);
         }
-        if (busy || __atomic_load_n(&h->used[d].tag, __ATOMIC_ACQUIRE) != tag || ms_ld(&h->used[d].val) != val)
+    for (int d = 0; d < MS_MAX_DEVICES; d++) {
+        if (busy[d] || __atomic_load_n(&h->used[d].tag, __ATOMIC_ACQUIRE) != tag[d] || ms_ld(&h->used[d].val) != val[d])
             continue;
-        if (sum != val) {
+        if (sum[d] != val[d]) {
             snprintf(err, errlen, "region %.200s is corrupted: device %d total %llu differs from its processes' sum %llu",
-                     path, d, (unsigned long long)val, (unsigned long long)sum);
+                     path, d, (unsigned long long)val[d], (unsigned long long)sum[d]);
             return -1;
         }
     }
