@@ -118,15 +118,15 @@ typedef struct ms_word {
 typedef struct ms_lane {
     /* written by the thread using the lane (or by whoever repairs the dead slot) */
     uint64_t pseq;   /* the last operation announced (sequence numbers only grow, never reused) */
-    uint64_t dseq;   /* the last operation finished; pseq != dseq: one is in flight */
     uint32_t pkind;  /* MS_OP_* */
     uint32_t pdev;
     uint64_t pdelta; /* added to used[pdev].val (modulo 2^64: a give-back is a negative number) */
     uint64_t pnew;   /* the lane's share of pdev after the operation (MS_OP_SHARE) */
-    char pad0[24];
-    /* written by other processes: "operation hseq of this lane reached the total" */
-    uint64_t hseq;
-    char pad1[56];
+    char pad0[32];
+    /* a line of its own, read by other threads and processes before they overwrite a tag */
+    uint64_t dseq; /* the last operation finished; pseq != dseq: one is in flight */
+    uint64_t hseq; /* written by others: "operation hseq of this lane reached the total" */
+    char pad1[48];
     uint64_t share[MS_MAX_DEVICES];
 } __attribute__((aligned(64))) ms_lane;
 
@@ -157,7 +157,8 @@ _Static_assert(offsetof(ms_hdr, resolved) == 40, "layout");
 _Static_assert(offsetof(ms_hdr, cap) == 64, "layout");
 _Static_assert(offsetof(ms_hdr, used) == 64 + 8 * MS_MAX_DEVICES, "layout");
 _Static_assert(offsetof(ms_hdr, slot) == 64 + 24 * MS_MAX_DEVICES, "layout");
-_Static_assert(sizeof(ms_lane) == 128 + 8 * MS_MAX_DEVICES && offsetof(ms_lane, hseq) == 64, "layout");
+_Static_assert(sizeof(ms_lane) == 128 + 8 * MS_MAX_DEVICES && offsetof(ms_lane, dseq) == 64, "layout");
+_Static_assert(offsetof(ms_lane, hseq) == 72 && offsetof(ms_lane, share) == 128, "layout");
 _Static_assert(sizeof(ms_slot) == 64 + MS_LANES * sizeof(ms_lane), "layout");
 _Static_assert(sizeof(ms_hdr) == 64 + 24 * MS_MAX_DEVICES + MS_SLOTS * sizeof(ms_slot), "layout");
 

@@ -31,7 +31,9 @@ struct ms_region {
     uint32_t lanes_taken;  /* bit i: lane i is some thread's (the last lane is never taken) */
     pthread_mutex_t shared_lane;  /* for threads beyond the lanes (process-local) */
     pthread_mutex_t reclaim_lock; /* one reclaiming thread per process (process-local) */
-    uint64_t held[MS_MAX_DEVICES]; /* what this process holds per device (clamps uncharges) */
+    /* what this process holds per device (clamps uncharges); a line of its own, apart from the
+     * fields every charge reads */
+    uint64_t held[MS_MAX_DEVICES] __attribute__((aligned(64)));
 };
 
 /* Guards the registry of open handles (region_open.c); held across fork, and while a forked

@@ -118,7 +118,7 @@ POISON = {
     "slot state": (OFF_SLOTS + 7 * SLOT_SIZE, "tid"),
     "slot state, claimed": (OFF_SLOTS + 7 * SLOT_SIZE, "claimed"),
     "lane in flight": (OFF_SLOTS + 7 * SLOT_SIZE + 64 + 3 * LANE, "garbage"),
-    "helper mark": (OFF_SLOTS + 64 + 64, "garbage"),
+    "helper mark": (OFF_SLOTS + 64 + 72, "garbage"),
     "device 0 total": (OFF_USED0, "garbage"),
 }
 
