@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -117,3 +118,32 @@ class LineProc:
         rc = self.close()
         if t is None and not self.killed and rc != 0:
             raise AssertionError(f"{self.argv} exited {rc}:\n{self.stderr_text()}")
+
+
+Repl = Callable[..., LineProc]
+
+
+@pytest.fixture
+def repl(core_bin: Path) -> Iterator[Repl]:
+    procs: list[LineProc] = []
+
+    def start(variant: str = "_san", **popen: object) -> LineProc:
+        proc = LineProc([core_bin / f"region_cli{variant}", "repl"], **popen)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for p in procs:
+        rc = p.close()
+        assert p.killed or rc == 0, p.stderr_text()
+
+
+def snap(proc: LineProc, path: Path) -> dict[str, object]:
+    """Parse the driver's snapshot line: version, nprocs, cap0, used0, used1, procs [(pid, alive, used0)]."""
+    line = proc.ask(f"snapshot {path}")
+    assert line.startswith("ok "), line
+    fields = dict(f.split("=", 1) for f in line[3:].split())
+    procs = [tuple(int(x) for x in p.split(":")) for p in fields.pop("procs").split(",") if p]
+    out: dict[str, object] = {k: int(v) for k, v in fields.items()}
+    out["procs"] = procs
+    return out

@@ -12,14 +12,14 @@ import signal
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.core.conftest import VARIANTS, LineProc, driver_env
+from tests.core.conftest import VARIANTS, LineProc, Repl, driver_env, snap
 
 MAX = (1 << 64) - 1
 # Header offsets of layout version 2 (csrc/region.h, struct ms_hdr); a layout change must update them.
@@ -33,35 +33,6 @@ def v1_file() -> bytes:
     """The first bytes of a layout-1 region as the previous shim wrote them, at its size."""
     head = b"MPSSHMRG" + struct.pack("<IIQII", 1, 0x280840, V1_SIZE, 256, 64)
     return head + b"\0" * (V1_SIZE - len(head))
-
-Repl = Callable[..., LineProc]
-
-
-@pytest.fixture
-def repl(core_bin: Path) -> Iterator[Repl]:
-    procs: list[LineProc] = []
-
-    def start(variant: str = "_san", **popen: object) -> LineProc:
-        proc = LineProc([core_bin / f"region_cli{variant}", "repl"], **popen)
-        procs.append(proc)
-        return proc
-
-    yield start
-    for p in procs:
-        rc = p.close()
-        assert p.killed or rc == 0, p.stderr_text()
-
-
-def snap(proc: LineProc, path: Path) -> dict[str, object]:
-    """Parse the driver's snapshot line: version, nprocs, cap0, used0, used1, procs [(pid, alive, used0)]."""
-    line = proc.ask(f"snapshot {path}")
-    assert line.startswith("ok "), line
-    fields = dict(f.split("=", 1) for f in line[3:].split())
-    procs = [tuple(int(x) for x in p.split(":")) for p in fields.pop("procs").split(",") if p]
-    out: dict[str, object] = {k: int(v) for k, v in fields.items()}
-    out["procs"] = procs
-    return out
-
 
 def made_region(repl: Repl, path: Path) -> bytes:
     p = repl()
@@ -480,38 +451,3 @@ def test_fork_child_of_a_deleted_region_refuses_to_charge(repl: Repl, tmp_path: 
     assert p.ask("charge 0 1000 900") == "ok 1000"
     assert p.ask("charge 0 1000 1") == "over 1000"
 
-
-LANE_SIZE = 128 + 8 * 64
-
-
-def lane_shares(data: bytes, slot: int) -> list[int]:
-    """Every lane's share of every device in a slot, as stored."""
-    base = OFF_SLOTS + slot * SLOT_SIZE + 64
-    return [x for k in range(16) for x in struct.unpack_from("<64Q", data, base + k * LANE_SIZE + 128)]
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_frees_on_another_thread_than_the_charge(repl: Repl, tmp_path: Path, variant: str) -> None:
-    """A thread that frees what another charged takes its lane below zero; the process's share
-    (the sum of its lanes) stays exact, a dead one is given back exactly, and a closed one
-    leaves its slot with every lane at zero (free for the next process)."""
-    path = tmp_path / "region"
-    p, tool = repl(variant), repl()
-    assert p.ask(f"open {path}") == "ok" and p.ask("charge 0 1000 300") == "ok 300"
-    assert p.ask("tuncharge 0 100") == "left 0" and p.ask("tcharge 0 1000 50") == "ok 250"
-    assert p.ask("tuncharge 0 500") == "left 250"  # clamped to what the process holds
-    assert p.ask("tcharge 0 1000 250") == "ok 250"
-    assert snap(tool, path)["procs"] == [(p.pid, 1, 250)]
-    p.kill()
-    survivor = repl()
-    assert survivor.ask(f"open {path}") == "ok" and survivor.ask("used 0") == "0"
-    assert survivor.ask("charge 0 1000 1000") == "ok 1000" and survivor.ask("uncharge 0 1000") == "left 0"
-    assert survivor.ask("close") == "ok"
-
-    q = repl(variant)
-    assert q.ask(f"open {path}") == "ok" and q.ask("charge 1 1000 100") == "ok 100"
-    assert q.ask("tuncharge 1 100") == "left 0"  # lanes +100 and -100: a share of 0
-    assert q.ask("close") == "ok"
-    data = path.read_bytes()
-    assert not any(any(lane_shares(data, slot)) for slot in range(SLOTS))
-    assert struct.unpack_from("<Q", data, OFF_USED0 + 16)[0] == 0  # device 1's total

@@ -1,5 +1,5 @@
-"""No process of a region waits on another (issues 7 and 8): a co-tenant stopped in the middle of
-a tight charge/uncharge loop, a survivor stopped in the middle of repairing a dead slot, and a
+"""Concurrency of the region core. No process of a region waits on another (issues 7 and 8):
+a co-tenant stopped in the middle of a tight charge/uncharge loop, a survivor stopped in the middle of repairing a dead slot, and a
 file whose words someone else overwrote never block another process; and the core is clean
 under ThreadSanitizer with more threads than a process has lanes. Real processes and signals."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.conftest import VARIANTS, LineProc, driver_env
-from tests.core.test_region import FILE_SIZE, OFF_SLOTS, OFF_USED0, SLOT_SIZE
+from tests.core.conftest import VARIANTS, LineProc, Repl, driver_env, snap
+from tests.core.test_region import FILE_SIZE, OFF_SLOTS, OFF_USED0, SLOT_SIZE, SLOTS
 
 CAP = 1 << 30
 ANSWER_WITHIN = 5.0  # seconds; an answer never depends on a stopped process, so this is only slack for load
@@ -162,3 +162,41 @@ def test_threads_race_cleanly_under_thread_sanitizer(core_bin: Path, tmp_path: P
     assert re.fullmatch(rb"charges=\d+ refused=\d+ maxseen=\d+ bad=0\n", p.stdout), p.stdout
     with LineProc([core_bin / "region_cli", "repl"]) as tool:
         assert re.search(r"used0=0 .*procs=$", tool.ask(f"snapshot {path}"))
+
+
+# --- threads of one process: frees on another thread than the charge ---
+
+LANE_SIZE = 128 + 8 * 64
+
+
+def lane_shares(data: bytes, slot: int) -> list[int]:
+    """Every lane's share of every device in a slot, as stored."""
+    base = OFF_SLOTS + slot * SLOT_SIZE + 64
+    return [x for k in range(16) for x in struct.unpack_from("<64Q", data, base + k * LANE_SIZE + 128)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_frees_on_another_thread_than_the_charge(repl: Repl, tmp_path: Path, variant: str) -> None:
+    """A thread that frees what another charged takes its lane below zero; the process's share
+    (the sum of its lanes) stays exact, a dead one is given back exactly, and a closed one
+    leaves its slot with every lane at zero (free for the next process)."""
+    path = tmp_path / "region"
+    p, tool = repl(variant), repl()
+    assert p.ask(f"open {path}") == "ok" and p.ask("charge 0 1000 300") == "ok 300"
+    assert p.ask("tuncharge 0 100") == "left 0" and p.ask("tcharge 0 1000 50") == "ok 250"
+    assert p.ask("tuncharge 0 500") == "left 250"  # clamped to what the process holds
+    assert p.ask("tcharge 0 1000 250") == "ok 250"
+    assert snap(tool, path)["procs"] == [(p.pid, 1, 250)]
+    p.kill()
+    survivor = repl()
+    assert survivor.ask(f"open {path}") == "ok" and survivor.ask("used 0") == "0"
+    assert survivor.ask("charge 0 1000 1000") == "ok 1000" and survivor.ask("uncharge 0 1000") == "left 0"
+    assert survivor.ask("close") == "ok"
+
+    q = repl(variant)
+    assert q.ask(f"open {path}") == "ok" and q.ask("charge 1 1000 100") == "ok 100"
+    assert q.ask("tuncharge 1 100") == "left 0"  # lanes +100 and -100: a share of 0
+    assert q.ask("close") == "ok"
+    data = path.read_bytes()
+    assert not any(any(lane_shares(data, slot)) for slot in range(SLOTS))
+    assert struct.unpack_from("<Q", data, OFF_USED0 + 16)[0] == 0  # device 1's total
