@@ -85,6 +85,8 @@ typedef struct ms_snapshot {
 } ms_snapshot;
 
 int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen);
+/* The same with MS_OPEN_OWNED or 0 (as for ms_region_open_ex). */
+int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen);
 
 /* --- The file (layout version 2; bump MS_LAYOUT_VERSION on any change) ---
  * A header, per-device totals, then MS_SLOTS process slots of MS_LANES lanes each; the whole

@@ -344,6 +344,10 @@ void ms_region_close(ms_region *r) {
 /* --- read-only snapshot for tools --- */
 
 int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen) {
+    return ms_region_snapshot_ex(path, 0, out, err, errlen);
+}
+
+int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen) {
     char dummy[1];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
     err[0] = '\0';
@@ -353,7 +357,7 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
      * held through another descriptor, is tested like any other. */
     int fd;
     ms_hdr *h;
-    if (ms_map(path, 0, MS_MODE_UMASK, 0, &fd, &h, err, errlen) != 0) return -1;
+    if (ms_map(path, 0, MS_MODE_UMASK, flags, &fd, &h, err, errlen) != 0) return -1;
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);

@@ -507,7 +507,7 @@ def _with_private_tmp(shim: ShimEnv, tmp_path, plant) -> tuple[object, object]:
     probe = subprocess.run([*wrap, "true"], env=env, capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a private /tmp here: {probe.stderr.strip()}")
-    cmds: list[object] = ["init", "ctx", 0, "alloc", M, "alloc", G, "ctx", 1, "alloc", M]
+    cmds: list[object] = ["init", "ctx", 0, "alloc", M, "alloc", G, "ctx", 1, "alloc", M, "usage", 0]
     return _run_env(shim, env, cmds, wrap=wrap), default
 
 
@@ -515,6 +515,7 @@ def test_the_default_region_is_made_and_used_when_missing(shim: ShimEnv, tmp_pat
     r, default = _with_private_tmp(shim, tmp_path, lambda path: None)
     assert r.returncode == 0, r.stderr
     assert r.rcs("alloc") == [0, 2, 0]  # capped: 1 MiB fits, 1 GiB more does not
+    assert r.of("usage")[0] == {"cmd": "usage", "rc": 0, "used": M, "cap": G}  # mpsshim_usage(NULL): the same file
     assert default.stat().st_uid == __import__("os").getuid()
 
 
@@ -544,6 +545,7 @@ def test_a_default_region_planted_by_someone_else_is_refused_with_one_line(shim:
     r, default = _with_private_tmp(shim, tmp_path, plant)
     assert time.monotonic() - t0 < 30
     assert r.rcs("alloc") == [2, 2, 0]  # capped device refused, never uncapped; device 1 is not capped
+    assert r.rcs("usage") == [-1]  # a tool reading the default region refuses it too
     assert len(r.stderr_lines) == 1, r.stderr
     assert str(default.name) in r.stderr_lines[0]
     assert {"another user's file": "uid 4242", "symlink": "symbolic link", "fifo": "not a regular file",
