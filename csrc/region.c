@@ -1,54 +1,124 @@
-/* Container-wide accounting region (contract in region.h): the accounting, i.e. the lock, the
- * process slots, charge/uncharge and reclaim. Opening, creating, validating, fork and the
- * snapshot are in region_open.c; what both need is in region_impl.h.
+/* Container-wide accounting region (contract and layout in region.h): the design, lanes,
+ * charge and uncharge. Claiming slots and repairing those of dead processes are in
+ * region_slots.c; opening, creating, validating, fork and the snapshot in region_open.c.
  *
- * Design, and why:
- *  - One fixed-size file, mmap'd MAP_SHARED: a header (magic, layout version, ABI and sizes,
- *    a robust process-shared mutex, per-device used bytes and last cap) and MS_SLOTS process
- *    slots (pid, state, used bytes per device). Invariant, under the mutex:
- *        header.used[d] == sum of used[d] over CLAIMED slots.
- *  - Every charge and uncharge takes the mutex. Uncontended, a robust pthread mutex is a
- *    user-space compare-and-swap plus glibc's robust-list bookkeeping: no syscall. A lock-free
- *    "reserve then roll back" counter would be a little faster but cannot tell, after a
- *    SIGKILL between updating the total and the slot, which of the two happened; the mutex
- *    can: its next owner gets EOWNERDEAD and rebuilds the totals from the slots, which makes
- *    the invariant true again whatever step the dead owner was at.
- *  - Liveness of a slot is an open-file-description (OFD) fcntl write lock its owner holds on
- *    one byte of the file (the slot's first byte) for its lifetime; others test it with
- *    F_OFD_GETLK. The kernel drops it when the process dies, whatever the PID namespace, so
- *    PID reuse cannot fool it. Why OFD and not classic POSIX locks: a POSIX lock is dropped
- *    when the process closes ANY descriptor of the file, e.g. when a second copy of this
- *    library (cffi dlopen from another path in a preloaded process) reads a snapshot, or the
- *    program itself reads the file; the process would then look dead while it holds memory.
- *    An OFD lock lives as long as its open file description, which a forked child shares
- *    through the inherited descriptor and mapping; so an atfork child handler gives the child
- *    its own descriptor and mapping: a long-lived child never keeps a dead parent's slot
- *    alive. (A child made by a raw clone() that skips atfork handlers would, until it execs.)
- *  - Dead slots are reclaimed (their bytes subtracted from the totals) when a charge would be
- *    refused, on open, and on ms_region_reclaim. The kernel releases robust futexes before
- *    file locks when a process exits, so an EOWNERDEAD recovery may still see the dead owner's
- *    file lock: its slot stays counted (consistently) until the next reclaim.
- *  - fork: the child is a new process. The atfork handler also bumps a generation number; a
- *    handle whose generation is stale claims a new slot (through the descriptor the handler
- *    opened) before its next charge: one load and compare on the fast path, no getpid(). */
+ * Design: no cross-process lock anywhere.
+ *  - Per device, used[d] = {val, tag} is changed only by a 16-byte compare-and-swap (CAS). A
+ *    charge reads it, checks val + bytes <= cap and swaps in val + bytes: two processes can
+ *    never both pass the cap, since the second CAS fails and re-checks. The tag names the
+ *    operation that made the change: (sequence number, slot, lane); sequence numbers of a lane
+ *    only grow, so no tag is ever written twice and a CAS never succeeds on a stale value.
+ *  - Each process owns a slot (liveness: an OFD lock on the slot's first byte, dropped by the
+ *    kernel when the process dies, whatever PID namespace); each thread of it uses a lane of
+ *    the slot, in which it records its share per device and the one operation it has in
+ *    flight. The invariant, whenever no operation is in flight:
+ *        used[d].val == sum over slots and lanes of share[d].
+ *  - An operation on lane L (seq s, device d, delta x) is, in order:
+ *        1. announce: pkind, pdev = d, pdelta = x, pnew = share[d] + x; then pseq = s
+ *        2. CAS used[d]: {v, t} -> {v + x, tag(s, L)}   (retried, after helping, until it holds)
+ *        3. fold: share[d] = pnew
+ *        4. finish: dseq = s
+ *    Before overwriting a tag t of another lane whose dseq < seq(t), a CAS "helps": it raises
+ *    that lane's hseq to seq(t), recording for ever that operation t reached the total.
+ *
+ * What a process killed at any instruction leaves, and how a survivor repairs it.
+ *  A dead process's lanes are frozen (only helpers still raise hseq). For a lane with pseq ==
+ *  dseq nothing is in flight: share[] is exactly what it contributes to the totals. For a lane
+ *  with pseq = s > dseq, the operation was killed somewhere between 1 and 4, and it reached the
+ *  total iff step 2 succeeded iff used[pdev].tag == tag(s, L) now, or hseq >= s (whoever
+ *  overwrote the tag raised hseq first; reading the tag before hseq makes this race-free). If
+ *  it did, share[pdev] = pnew (step 3, idempotent: a value, not an addition); either way dseq
+ *  = s. Now every lane is exact and the slot's share is given back, per device, by an
+ *  operation of the same form announced on the dead slot's lane 0 (kind MS_OP_REPAIR: delta =
+ *  -share, fold = every lane's share of d becomes 0), then the slot is freed. A repairer killed
+ *  in the middle leaves one more in-flight operation that the next repairer resolves the same
+ *  way, so repairs compose. Nothing here waits: the step that "took a lock" is a CAS.
+ *  - Who repairs: a survivor that finds a slot's owner dead takes a non-blocking OFD lock on
+ *    the slot's second byte (F_OFD_SETLK): of two reclaimers racing, one gets it and the other
+ *    skips the slot; a dead repairer's lock goes with it (the next one resolves what it left in
+ *    flight); a stopped repairer only delays that one slot's give-back (others skip it and are
+ *    never blocked; its memory stays counted, the safe side). Threads of one process share
+ *    their descriptor's locks, so they reclaim one at a time (a process-local mutex).
+ *  - A stopped live process (SIGSTOP, debugger, frozen cgroup) holds nothing anyone needs:
+ *    whatever instruction it stopped at, the others' CASes on the totals just proceed (an
+ *    operation it has in flight is either in the total or not, and its lane says which).
+ *  - A reclaimer racing a live process: a slot is repaired only after the owner's liveness lock
+ *    was seen free with the repair lock held and the state word unchanged; a live owner holds
+ *    its lock from before CLAIMED until after it frees the slot, so a live slot is never touched.
+ *  - Claiming a slot is a CAS of its state 0 -> (nonce, CLAIMING), then the liveness lock, then
+ *    a CAS to (nonce, CLAIMED). A claimer that dies before locking leaves CLAIMING with no lock;
+ *    a reclaimer sets it back to 0 (a live claimer in that window then fails its last CAS and
+ *    tries the next slot). Free slots have every lane at share 0 and nothing in flight.
+ *  - Counters never wrap: charges check v <= cap - bytes; give-backs clamp at 0 and count it
+ *    (only a corrupted file has a total below a share); a process's uncharges are clamped to
+ *    what it holds (held[], process memory).
+ *  - Threads take a lane of their own at their first charge (15 per process; more threads share
+ *    the last lane under a process-local mutex) and give it back when they exit. fork: the child
+ *    claims a slot of its own before its first charge (an atfork handler gives it its own
+ *    descriptor, so it never keeps a dead parent's liveness lock alive). */
 #include "region_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 unsigned long ms_forkgen;
+static unsigned long ms_ids;
 
-/* Sum of a device's usage over the claimed slots, saturating (a corrupted file cannot wrap it). */
-uint64_t ms_slot_sum(const ms_hdr *h, int d) {
+unsigned long ms_new_id(void) { return __atomic_add_fetch(&ms_ids, 1, __ATOMIC_RELAXED); }
+
+#define MS_SHARED_LANE (MS_LANES - 1)
+
+#ifdef MS_REGION_PARANOID
+/* Test builds only: called between the CAS and the fold of a charge or uncharge, so a test can
+ * widen the window a SIGKILL must hit to leave an operation in flight. */
+void (*ms_region_test_midop)(void);
+#define MS_MIDOP() (ms_region_test_midop ? ms_region_test_midop() : (void)0)
+#else
+#define MS_MIDOP() ((void)0)
+#endif
+
+#ifdef MS_FAULT_INJECT
+/* MPSSHIM_FAULT=STEP[:N][:stop]: at the Nth passage (default 1) through STEP, SIGKILL (or, with
+ * ":stop", SIGSTOP: a process frozen there, e.g. holding a repair lock). */
+static char ms_fault_step[64];
+static long ms_fault_at, ms_fault_hits;
+static int ms_fault_sig = SIGKILL;
+static pthread_once_t ms_fault_once = PTHREAD_ONCE_INIT;
+static void ms_fault_init(void) {
+    const char *env = getenv("MPSSHIM_FAULT");
+    if (env == NULL || env[0] == '\0') return;
+    snprintf(ms_fault_step, sizeof ms_fault_step, "%s", env);
+    char *stop = strstr(ms_fault_step, ":stop");
+    if (stop) *stop = '\0', ms_fault_sig = SIGSTOP;
+    char *colon = strchr(ms_fault_step, ':');
+    ms_fault_at = colon ? atol(colon + 1) : 1;
+    if (colon) *colon = '\0';
+}
+void ms_fault_point(const char *step) {
+    pthread_once(&ms_fault_once, ms_fault_init);
+    if (ms_fault_step[0] && strcmp(step, ms_fault_step) == 0 &&
+        __atomic_add_fetch(&ms_fault_hits, 1, __ATOMIC_RELAXED) == ms_fault_at)
+        raise(ms_fault_sig);
+}
+#endif
+
+/* The only write to a device total: {ov, ot} -> {nv, nt}, atomically, full barrier. */
+#if defined(__x86_64__)
+__attribute__((target("cx16")))
+#endif
+static int ms_cas(ms_word *w, uint64_t ov, uint64_t ot, uint64_t nv, uint64_t nt) {
+    unsigned __int128 o = (unsigned __int128)ot << 64 | ov, n = (unsigned __int128)nt << 64 | nv;
+    return __sync_bool_compare_and_swap((unsigned __int128 *)(void *)w, o, n);
+}
+
+uint64_t ms_slot_share(const ms_slot *s, int d) {
     uint64_t sum = 0;
-    for (int i = 0; i < MS_SLOTS; i++) {
-        if (__atomic_load_n(&h->slot[i].state, __ATOMIC_RELAXED) != MS_SLOT_CLAIMED) continue;
-        uint64_t u = __atomic_load_n(&h->slot[i].used[d], __ATOMIC_RELAXED);
-        sum = (sum > UINT64_MAX - u) ? UINT64_MAX : sum + u;
-    }
+    for (int i = 0; i < MS_LANES; i++) sum += ms_ld(&s->lane[i].share[d]);
     return sum;
 }
 
@@ -56,149 +126,177 @@ int ms_bound(const ms_region *r) {
     return __atomic_load_n(&r->forkgen, __ATOMIC_ACQUIRE) == __atomic_load_n(&ms_forkgen, __ATOMIC_RELAXED);
 }
 
-/* 1 if another open file description holds the slot's liveness lock (or the test fails). */
-int ms_slot_alive(int fd, int i) {
-    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
-    if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return 1;
-    return fl.l_type != F_UNLCK;
+/* Step 1 of an operation on lane L (nothing in flight there); returns its sequence number. */
+uint64_t ms_announce(ms_lane *L, uint32_t kind, int dev, uint64_t delta, uint64_t pnew) {
+    uint64_t seq = ms_ld(&L->dseq) + 1;
+    __atomic_store_n(&L->pkind, kind, __ATOMIC_RELAXED);
+    __atomic_store_n(&L->pdev, (uint32_t)dev, __ATOMIC_RELAXED);
+    ms_st(&L->pdelta, delta);
+    ms_st(&L->pnew, pnew);
+    __atomic_store_n(&L->pseq, seq, __ATOMIC_RELEASE);
+    return seq;
 }
 
-/* Rebuild the totals from the claimed slots (after a lock owner died mid-update). */
-static void ms_recompute(ms_hdr *h) {
-    for (int d = 0; d < MS_MAX_DEVICES; d++) ms_st(&h->used[d], ms_slot_sum(h, d));
-}
-
-void ms_release_slot(ms_hdr *h, int i) {
-    ms_slot *s = &h->slot[i];
-    for (int d = 0; d < MS_MAX_DEVICES; d++) {
-        uint64_t u = ms_ld(&s->used[d]), t = ms_ld(&h->used[d]);
-        if (u == 0) continue;
-        ms_st(&h->used[d], t - (u < t ? u : t));
-        ms_st(&s->used[d], 0);
+/* Before overwriting `tag`: record that its operation reached the total, unless its lane
+ * (ours, or one that already finished it) needs no telling. */
+static void ms_help(ms_hdr *h, uint64_t tag, int slot, int lane) {
+    unsigned tl = tag & 15, ts = (tag >> 4) & 255;
+    uint64_t seq = tag >> 12;
+    if (tag == 0 || (ts == (unsigned)slot && tl == (unsigned)lane)) return;
+    ms_lane *o = &h->slot[ts].lane[tl];
+    if (__atomic_load_n(&o->dseq, __ATOMIC_ACQUIRE) >= seq) return;
+    uint64_t hs = __atomic_load_n(&o->hseq, __ATOMIC_RELAXED);
+    while (hs < seq && !__atomic_compare_exchange_n(&o->hseq, &hs, seq, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
     }
-    __atomic_store_n(&s->state, MS_SLOT_FREE, __ATOMIC_RELEASE);
 }
 
-/* Under the mutex. */
-int ms_reclaim_locked(ms_region *r) {
-    ms_hdr *h = r->hdr;
-    int mine = ms_bound(r) ? r->slot : -1, n = 0;
-    for (int i = 0; i < MS_SLOTS; i++) {
-        if (i == mine || h->slot[i].state != MS_SLOT_CLAIMED) continue;
-        if (ms_slot_alive(r->fd, i)) continue;
-        ms_release_slot(h, i);
-        n++;
+/* Step 2 for a give-back of `take` on lane (slot, lane) with sequence `seq`: never below 0. */
+void ms_apply_down(ms_hdr *h, int dev, uint64_t take, uint64_t seq, int slot, int lane) {
+    ms_word *w = &h->used[dev];
+    for (;;) {
+        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), val = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+        ms_help(h, tag, slot, lane);
+        if (ms_cas(w, val, tag, val - (take < val ? take : val), MS_TAG(seq, slot, lane))) {
+            if (val < take) __atomic_add_fetch(&h->clamped, 1, __ATOMIC_RELAXED);
+            return;
+        }
     }
-    if (n) __atomic_add_fetch(&h->reclaimed, (uint64_t)n, __ATOMIC_RELAXED);
-    return n;
 }
 
-#ifdef MS_REGION_PARANOID
-/* Test builds only: called between the two stores of a charge or uncharge, so a test can
- * widen the window a SIGKILL must hit to leave the totals and the slots disagreeing. */
-void (*ms_region_test_midop)(void);
-#define MS_MIDOP() (ms_region_test_midop ? ms_region_test_midop() : (void)0)
-#else
-#define MS_MIDOP() ((void)0)
-#endif
+/* --- lanes of this process's threads --- */
 
-int ms_lock(ms_region *r) {
-    int rc = pthread_mutex_lock(&r->hdr->mutex.m);
-    if (rc == EOWNERDEAD) {
-        ms_recompute(r->hdr);
-        __atomic_add_fetch(&r->hdr->recoveries, 1, __ATOMIC_RELAXED);
-        rc = pthread_mutex_consistent(&r->hdr->mutex.m);
-        if (rc != 0) pthread_mutex_unlock(&r->hdr->mutex.m);
-    }
-    return rc;
+typedef struct ms_tl {
+    unsigned long id; /* the handle the lane belongs to (0: none) */
+    int lane;
+} ms_tl;
+static __thread ms_tl ms_mine;
+static pthread_key_t ms_key;
+static pthread_once_t ms_key_once = PTHREAD_ONCE_INIT;
+
+/* Under ms_reg_lock: give the calling thread's lane back to its handle, if still open. */
+static void ms_drop_lane_locked(void) {
+    ms_region *r = ms_mine.id ? ms_reg_by_id(ms_mine.id) : NULL;
+    if (r != NULL && ms_mine.lane != MS_SHARED_LANE) r->lanes_taken &= ~(1u << ms_mine.lane);
+    ms_mine.id = 0;
 }
 
-void ms_unlock(ms_region *r) {
-#ifdef MS_REGION_PARANOID /* test builds: check the invariant at every unlock */
-    char why[256];
-    if (ms_check_totals(r->hdr, "(paranoid check)", why, sizeof why) != 0) {
-        fprintf(stderr, "mpsshim: %s\n", why);
-        abort();
-    }
-#endif
-    pthread_mutex_unlock(&r->hdr->mutex.m);
+static void ms_thread_exit(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&ms_reg_lock);
+    ms_drop_lane_locked();
+    pthread_mutex_unlock(&ms_reg_lock);
+}
+static void ms_key_init(void) { pthread_key_create(&ms_key, ms_thread_exit); }
+
+static int ms_adopt(ms_region *r) {
+    pthread_once(&ms_key_once, ms_key_init);
+    pthread_mutex_lock(&ms_reg_lock);
+    ms_drop_lane_locked();
+    int lane = MS_SHARED_LANE;
+    for (int i = 0; i < MS_SHARED_LANE; i++)
+        if (!(r->lanes_taken & (1u << i))) {
+            lane = i;
+            r->lanes_taken |= 1u << i;
+            break;
+        }
+    ms_mine = (ms_tl){.id = r->id, .lane = lane};
+    pthread_setspecific(ms_key, &ms_mine); /* non-NULL: the destructor runs at thread exit */
+    pthread_mutex_unlock(&ms_reg_lock);
+    return lane;
 }
 
-/* Under the mutex: take a free slot whose liveness lock we can get. */
-int ms_claim_locked(ms_region *r) {
-    ms_hdr *h = r->hdr;
-    for (int i = 0; i < MS_SLOTS; i++) {
-        if (h->slot[i].state != MS_SLOT_FREE) continue;
-        struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)MS_SLOT_OFF(i), .l_len = 1};
-        if (fcntl(r->fd, F_OFD_SETLK, &fl) != 0) continue; /* a dying process still holds it (errno kept) */
-        ms_slot *s = &h->slot[i];
-        for (int d = 0; d < MS_MAX_DEVICES; d++) ms_st(&s->used[d], 0);
-        s->pid = (int32_t)getpid();
-        __atomic_store_n(&s->state, MS_SLOT_CLAIMED, __ATOMIC_RELEASE);
-        r->slot = i;
-        __atomic_store_n(&r->forkgen, __atomic_load_n(&ms_forkgen, __ATOMIC_RELAXED), __ATOMIC_RELEASE);
-        return 0;
-    }
-    return -1;
+static int ms_enter(ms_region *r) {
+    int lane = ms_mine.id == __atomic_load_n(&r->id, __ATOMIC_RELAXED) ? ms_mine.lane : ms_adopt(r);
+    if (lane == MS_SHARED_LANE) pthread_mutex_lock(&r->shared_lane);
+    return lane;
+}
+
+static void ms_leave(ms_region *r, int lane) {
+    if (lane == MS_SHARED_LANE) pthread_mutex_unlock(&r->shared_lane);
 }
 
 /* A forked child's first use of an inherited handle: a slot of its own. */
 static int ms_rebind(ms_region *r) {
-    int rc = -1;
+    int rc = 0;
     pthread_mutex_lock(&ms_reg_lock);
-    if (ms_bound(r)) {
-        rc = 0;
-    } else if (r->fd >= 0 && ms_lock(r) == 0) { /* fd < 0: the child could not reopen the file */
-        rc = ms_claim_locked(r);
-        if (rc != 0 && ms_reclaim_locked(r) > 0) rc = ms_claim_locked(r);
-        ms_unlock(r);
+    if (!ms_bound(r)) {
+        rc = -1;
+        if (r->fd >= 0) { /* fd < 0: the child could not reopen the file */
+            rc = ms_claim(r);
+            if (rc != 0 && ms_reclaim(r) > 0) rc = ms_claim(r);
+        }
     }
     pthread_mutex_unlock(&ms_reg_lock);
     return rc;
 }
 
+/* --- the fast path --- */
+
 int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use) {
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return MS_ERROR;
     if (!ms_bound(r) && ms_rebind(r) != 0) return MS_ERROR;
-    if (ms_lock(r) != 0) return MS_ERROR;
     ms_hdr *h = r->hdr;
-    ms_st(&h->cap[dev], cap);
-    uint64_t used = ms_ld(&h->used[dev]);
-    if (bytes > cap || used > cap - bytes) {
-        if (ms_reclaim_locked(r) > 0) used = ms_ld(&h->used[dev]);
-        if (bytes > cap || used > cap - bytes) {
-            ms_unlock(r);
-            if (in_use) *in_use = used;
+    if (ms_ld(&h->cap[dev]) != cap) ms_st(&h->cap[dev], cap);
+    ms_word *w = &h->used[dev];
+    int li = ms_enter(r), reclaimed = 0;
+    ms_lane *L = &h->slot[r->slot].lane[li];
+    uint64_t seq = 0, val;
+    for (;;) {
+        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE);
+        val = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+        if (bytes > cap || val > cap - bytes) {
+            if (seq) __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE), seq = 0; /* announced, never applied */
+            if (!reclaimed++ && ms_reclaim(r) > 0) continue;
+            ms_leave(r, li);
+            if (in_use) *in_use = val;
             return MS_OVER_CAP;
         }
+        ms_help(h, tag, r->slot, li);
+        if (!seq) {
+            seq = ms_announce(L, MS_OP_SHARE, dev, bytes, ms_ld(&L->share[dev]) + bytes);
+            MS_FAULT("charge.announced");
+        }
+        if (ms_cas(w, val, tag, val + bytes, MS_TAG(seq, r->slot, li))) break;
     }
-    uint64_t *mine = &h->slot[r->slot].used[dev];
-    ms_st(mine, ms_ld(mine) + bytes);
+    MS_FAULT("charge.applied");
     MS_MIDOP();
-    ms_st(&h->used[dev], used + bytes);
-    ms_unlock(r);
-    if (in_use) *in_use = used + bytes;
+    ms_st(&L->share[dev], ms_ld(&L->pnew));
+    MS_FAULT("charge.folded");
+    __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
+    ms_leave(r, li);
+    __atomic_add_fetch(&r->held[dev], bytes, __ATOMIC_RELAXED);
+    if (in_use) *in_use = val + bytes;
     return MS_OK;
 }
 
 uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes) {
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return bytes;
     if (!ms_bound(r) && ms_rebind(r) != 0) return bytes;
-    if (ms_lock(r) != 0) return bytes;
     ms_hdr *h = r->hdr;
-    uint64_t *mine = &h->slot[r->slot].used[dev];
-    uint64_t have = ms_ld(mine), take = bytes < have ? bytes : have, total = ms_ld(&h->used[dev]);
-    ms_st(mine, have - take);
-    MS_MIDOP();
-    ms_st(&h->used[dev], total - (take < total ? take : total));
+    uint64_t have = __atomic_load_n(&r->held[dev], __ATOMIC_RELAXED), take;
+    do
+        take = bytes < have ? bytes : have;
+    while (take && !__atomic_compare_exchange_n(&r->held[dev], &have, have - take, 1, __ATOMIC_RELAXED,
+                                                __ATOMIC_RELAXED));
     if (take < bytes) __atomic_add_fetch(&h->clamped, 1, __ATOMIC_RELAXED);
-    ms_unlock(r);
+    if (take == 0) return bytes;
+    int li = ms_enter(r);
+    ms_lane *L = &h->slot[r->slot].lane[li];
+    uint64_t seq = ms_announce(L, MS_OP_SHARE, dev, 0 - take, ms_ld(&L->share[dev]) - take);
+    MS_FAULT("uncharge.announced");
+    ms_apply_down(h, dev, take, seq, r->slot, li);
+    MS_FAULT("uncharge.applied");
+    MS_MIDOP();
+    ms_st(&L->share[dev], ms_ld(&L->pnew));
+    MS_FAULT("uncharge.folded");
+    __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
+    ms_leave(r, li);
     return bytes - take;
 }
 
 uint64_t ms_region_used(const ms_region *r, int dev) {
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return 0;
-    return ms_ld(&r->hdr->used[dev]);
+    return __atomic_load_n(&r->hdr->used[dev].val, __ATOMIC_RELAXED);
 }
 
 uint64_t ms_region_used_live(ms_region *r, int dev) {
@@ -206,9 +304,4 @@ uint64_t ms_region_used_live(ms_region *r, int dev) {
     return ms_region_used(r, dev);
 }
 
-int ms_region_reclaim(ms_region *r) {
-    if (r == NULL || ms_lock(r) != 0) return 0;
-    int n = ms_reclaim_locked(r);
-    ms_unlock(r);
-    return n;
-}
+int ms_region_reclaim(ms_region *r) { return r == NULL ? 0 : ms_reclaim(r); }

@@ -103,9 +103,21 @@ static void init_once(void)
         ms_log(MS_LOG_INFO, "no memory caps (" LIMIT_VAR " unset or empty): allocations pass through");
         return;
     }
-    unsigned mode = ms_region_path(s->region_path, sizeof s->region_path) ? 0666u : MS_MODE_UMASK;
+    int named = ms_region_path(s->region_path, sizeof s->region_path);
+    if (named && s->region_path[0] != '/') { /* each working directory would get a cap of its own */
+        s->limits_bad = 1;
+        s->limits.count = 0;
+        ms_log(MS_LOG_ERROR,
+               "MPSSHIM_REGION=\"%.200s\" is not an absolute path; cuInit fails with CUDA_ERROR_INVALID_VALUE "
+               "and every allocation is refused",
+               s->region_path);
+        return;
+    }
+    /* Named: 0666, shared by the container's UIDs. The per-UID default sits in a /tmp others
+     * can write: a file there that this UID does not own (or a link, a FIFO) is refused. */
+    unsigned mode = named ? 0666u : MS_MODE_UMASK, flags = named ? 0u : MS_OPEN_OWNED;
     char err[512];
-    if (ms_region_open_mode(s->region_path, mode, &s->region, err, sizeof err) != 0) {
+    if (ms_region_open_ex(s->region_path, mode, flags, &s->region, err, sizeof err) != 0) {
         s->region = NULL;
         ms_log(MS_LOG_ERROR,
                "accounting region \"%s\" is unusable (%s); allocations on capped devices are refused "

@@ -4,8 +4,10 @@
  *   CUDA_MPS_PINNED_DEVICE_MEM_LIMIT    caps by ordinal or UUID (limits.h); malformed → cuInit
  *                                       fails with CUDA_ERROR_INVALID_VALUE and every
  *                                       allocation is refused, after one line naming it
- *   MPSSHIM_REGION                      accounting file (default /tmp/mpsshim-<uid>.region);
- *                                       unusable → allocations on capped devices are refused */
+ *   MPSSHIM_REGION                      accounting file, an absolute path (relative → refused like a
+ *                                       malformed limit); default /tmp/mpsshim-<uid>.region, which
+ *                                       must belong to this UID; unusable → allocations on capped
+ *                                       devices are refused */
 #ifndef MPSSHIM_STATE_H
 #define MPSSHIM_STATE_H
 
@@ -16,7 +18,7 @@
 #include "region.h"
 
 typedef struct ms_state {
-    int limits_bad;        /* CUDA_MPS_PINNED_DEVICE_MEM_LIMIT did not parse */
+    int limits_bad;        /* CUDA_MPS_PINNED_DEVICE_MEM_LIMIT did not parse, or MPSSHIM_REGION is relative */
     ms_limits limits;      /* count == 0: nothing capped */
     int limits_by_uuid;    /* some entry is keyed by UUID */
     ms_region *region;     /* NULL when not needed or unusable */

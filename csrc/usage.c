@@ -1,5 +1,6 @@
 /* mpsshim_usage: the region snapshot for tools (the Python reader, shim.usage()).
- * path NULL or "" means the path this process would use (MPSSHIM_REGION or the default). */
+ * path NULL or "" means the path this process would use (MPSSHIM_REGION or the default, which,
+ * as when the shim opens it, must be this UID's own file). */
 #include "hooks.h"
 #include "state.h"
 
@@ -8,9 +9,10 @@ MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen)
 {
     char buf[4096];
+    unsigned flags = 0;
     if (path == NULL || path[0] == '\0') {
-        ms_region_path(buf, sizeof buf);
+        flags = ms_region_path(buf, sizeof buf) ? 0 : MS_OPEN_OWNED;
         path = buf;
     }
-    return ms_region_snapshot(path, out, err, errlen);
+    return ms_region_snapshot_ex(path, flags, out, err, errlen);
 }

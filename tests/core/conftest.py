@@ -1,15 +1,17 @@
 """Builds the C core's test drivers (tests/core/Makefile) once per session and talks to them.
 
 - `core_bin`: the build directory holding limits_cli, region_cli, track_test, each also as a
-  `*_san` twin built with AddressSanitizer + UndefinedBehaviorSanitizer (and the region's
-  invariant check at every unlock).
+  `*_san` twin built with AddressSanitizer + UndefinedBehaviorSanitizer, and region_cli_tsan
+  (ThreadSanitizer) and region_cli_fault (fault injection: MPSSHIM_FAULT, csrc/region_impl.h).
 - `LineProc`: a driver process answering one stdout line per stdin line.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -46,7 +48,9 @@ def core_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class LineProc:
     """A long-running driver: ask(line) writes one line and returns its one-line answer."""
 
-    def __init__(self, argv: list[str | os.PathLike[str]], **popen: object) -> None:
+    def __init__(
+        self, argv: list[str | os.PathLike[str]], extra_env: dict[str, str] | None = None, **popen: object
+    ) -> None:
         self.argv = [str(a) for a in argv]
         self.killed = False
         self._stderr = ""
@@ -55,7 +59,7 @@ class LineProc:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=driver_env(),
+            env={**driver_env(), **(extra_env or {})},
             **popen,  # type: ignore[arg-type]
         )
 
@@ -63,11 +67,16 @@ class LineProc:
     def pid(self) -> int:
         return self.proc.pid
 
-    def ask(self, line: str | bytes) -> str:
+    def ask(self, line: str | bytes, within: float | None = None) -> str:
+        """One line in, one line out; with `within`, fail unless the answer comes in that many
+        seconds (a driver blocked on someone else's behalf)."""
         data = line if isinstance(line, bytes) else line.encode()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(data + b"\n")
         self.proc.stdin.flush()
+        if within is not None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], within)
+            assert ready, f"{self.argv} gave no answer to {data!r} within {within} s (blocked)"
         answer = self.proc.stdout.readline()
         if not answer:
             self.proc.wait(timeout=10)
@@ -109,3 +118,32 @@ class LineProc:
         rc = self.close()
         if t is None and not self.killed and rc != 0:
             raise AssertionError(f"{self.argv} exited {rc}:\n{self.stderr_text()}")
+
+
+Repl = Callable[..., LineProc]
+
+
+@pytest.fixture
+def repl(core_bin: Path) -> Iterator[Repl]:
+    procs: list[LineProc] = []
+
+    def start(variant: str = "_san", **popen: object) -> LineProc:
+        proc = LineProc([core_bin / f"region_cli{variant}", "repl"], **popen)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for p in procs:
+        rc = p.close()
+        assert p.killed or rc == 0, p.stderr_text()
+
+
+def snap(proc: LineProc, path: Path) -> dict[str, object]:
+    """Parse the driver's snapshot line: version, nprocs, cap0, used0, used1, procs [(pid, alive, used0)]."""
+    line = proc.ask(f"snapshot {path}")
+    assert line.startswith("ok "), line
+    fields = dict(f.split("=", 1) for f in line[3:].split())
+    procs = [tuple(int(x) for x in p.split(":")) for p in fields.pop("procs").split(",") if p]
+    out: dict[str, object] = {k: int(v) for k, v in fields.items()}
+    out["procs"] = procs
+    return out

@@ -6,6 +6,8 @@
  *       snapshot PATH | pid | forkcharge DEV CAP BYTES | cloexec PATH
  *       touchfd PATH (open and close another descriptor of PATH, as a second library copy would)
  *       forksleep (fork a child that never touches the region and sleeps; prints its pid)
+ *       tcharge DEV CAP BYTES | tuncharge DEV BYTES (the same as charge/uncharge, on a thread of
+ *       their own, while this one keeps its lane: a free on another thread than the charge)
  *   region_cli stress PATH CAP THREADS SECONDS SEED
  *       THREADS threads charge and uncharge random sizes on device 0 for SECONDS, checking after
  *       every charge that the region's total is within CAP; at the end give everything back.
@@ -110,6 +112,34 @@ static void cloexec(const char *path) {
     printf("ok %d\n", n);
 }
 
+typedef struct tcall {
+    int dev;
+    unsigned long long cap, bytes;
+    char out[128];
+} tcall;
+
+static void *tcharge(void *arg) {
+    tcall *c = arg;
+    uint64_t in_use = 12345;
+    int rc = ms_region_charge(reg, c->dev, c->cap, c->bytes, &in_use);
+    snprintf(c->out, sizeof c->out, "%s %llu", rc == MS_OK ? "ok" : rc == MS_OVER_CAP ? "over" : "error",
+             (unsigned long long)in_use);
+    return NULL;
+}
+
+static void *tuncharge(void *arg) {
+    tcall *c = arg;
+    snprintf(c->out, sizeof c->out, "left %llu", (unsigned long long)ms_region_uncharge(reg, c->dev, c->bytes));
+    return NULL;
+}
+
+static void on_thread(void *(*fn)(void *), tcall *c) {
+    pthread_t t;
+    pthread_create(&t, NULL, fn, c);
+    pthread_join(t, NULL);
+    printf("%s\n", c->out);
+}
+
 static int repl(void) {
     char line[4096], a[4096];
     int opens = 0;
@@ -126,6 +156,12 @@ static int repl(void) {
             char err[512];
             if (ms_region_open(a, &reg, err, sizeof err) == 0) opens++, printf("ok\n");
             else printf("err %s\n", err);
+        } else if (sscanf(line, "tcharge %d %llu %llu", &dev, &x, &y) == 3) {
+            tcall c = {.dev = dev, .cap = x, .bytes = y};
+            on_thread(tcharge, &c);
+        } else if (sscanf(line, "tuncharge %d %llu", &dev, &x) == 2) {
+            tcall c = {.dev = dev, .bytes = x};
+            on_thread(tuncharge, &c);
         } else if (sscanf(line, "charge %d %llu %llu", &dev, &x, &y) == 3) {
             uint64_t in_use = 12345;
             int rc = ms_region_charge(reg, dev, x, y, &in_use);

@@ -80,3 +80,24 @@ def test_sigkilled_holder_share_is_reclaimed(shim_env, run_py, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.fixture(scope="module")
+def fault_lib(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faultshim") / "libmpsshim.so"
+    subprocess.run(["make", "-s", "-C", str(REPO / "csrc"), f"OUT={out}", "fault"], check=True, capture_output=True)
+    return out.with_name("libmpsshim_fault.so")
+
+
+@pytest.mark.parametrize("step", ["charge.announced", "charge.applied", "charge.folded", "uncharge.applied"])
+def test_a_client_killed_inside_the_shims_charge_is_given_back_exactly(shim_env, run_py, fault_lib, tmp_path, step):
+    """Through the real shim (a fault-injection build): a client dies of SIGKILL at a step of its
+    second allocation's charge (or of a free's uncharge); the next client gets exactly the whole
+    cap, and not one byte more."""
+    region = tmp_path / "region"
+    env = shim_env(limit=f"0={CAP}", region=region)
+    victim = dict(env, LD_PRELOAD=str(fault_lib), MPSSHIM_FAULT=f"{step}:2" if step.startswith("charge") else step)
+    run_py(f"d = Driver(); d.init(); p = d.alloc({M}); q = d.alloc({64 * M}); d.free(q)\nemit(survived=True)",
+           victim, expect_rc=-signal.SIGKILL)
+    after = run_py(f"d = Driver(); d.init(); emit(whole=attempt(d.alloc, {CAP}) > 0, more=attempt(d.alloc, 1))", env)
+    assert after.one == {"whole": True, "more": {"error": 2}}

@@ -444,3 +444,145 @@ def test_cuGetProcAddress_never_makes_the_loader_search_for_nvml(shim: ShimEnv) 
     files = [line["file"] for line in r.of("where")]
     assert files == ["libcuda.so.1", "libmpsshim.so", "libmpsshim.so", "libcuda.so.1"]
     assert "libnvidia-ml" not in r.stderr
+
+
+# --- where the region is (issue 7): a relative MPSSHIM_REGION, and the per-UID default in a /tmp
+# that other local users can write ---
+
+
+def _run_env(shim: ShimEnv, env: dict[str, str], cmds: list[object], wrap: list[str] | None = None, cwd=None):
+    import subprocess
+
+    from .conftest import Result, parse_line, shim_lines
+
+    proc = subprocess.run(
+        [*(wrap or []), *shim.argv("gpa2", cmds)], env=env, capture_output=True, text=True, timeout=60, cwd=cwd,
+        check=False,
+    )
+    return Result([parse_line(t) for t in proc.stdout.splitlines() if t.strip()], proc.stderr, proc.returncode,
+                  shim_lines(proc.stderr))
+
+
+def test_a_relative_region_path_fails_cuda_init_and_every_allocation_with_one_line(shim: ShimEnv, tmp_path) -> None:
+    """Each working directory would get a region, so a cap, of its own."""
+    cmds: list[object] = ["init", "ctx", 0, "alloc", M, "ctx", 1, "alloc", M, "calls", "cuMemAlloc_v2"]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = _run_env(shim, shim.env("0=1G", {"MPSSHIM_REGION": "slice/region"}), cmds, cwd=cwd)
+    assert r.rcs("init") == [1]  # CUDA_ERROR_INVALID_VALUE, as for a malformed limit
+    assert r.rcs("alloc") == [2, 2]
+    assert r.of("calls")[0]["n"] == 0
+    assert len(r.stderr_lines) == 1, r.stderr
+    assert 'MPSSHIM_REGION="slice/region"' in r.stderr_lines[0] and "absolute" in r.stderr_lines[0]
+    assert list(cwd.iterdir()) == []
+
+
+UNSHARE_TMP = """set -e
+mount --bind /tmp "$PRIVATE_TMP/old"
+mount --rbind "$PRIVATE_TMP" /tmp
+exec "$@"
+"""
+
+
+def _with_private_tmp(shim: ShimEnv, tmp_path, plant) -> tuple[object, object]:
+    """Runs a capped client without MPSSHIM_REGION in a mount namespace whose /tmp is a fresh
+    directory, after `plant(path)` put something at the default region path there. Needs root."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a private /tmp needs root and unshare(1)")
+    private = tmp_path / "private-tmp"
+    (private / "old").mkdir(parents=True)
+    for top in {p.relative_to("/tmp").parts[0] for p in (shim.shim, shim.fake, shim.clients["gpa2"]) if
+                str(p).startswith("/tmp/")}:
+        (private / top).symlink_to(f"old/{top}")  # the test's own files, through the real /tmp
+    default = private / f"mpsshim-{os.getuid()}.region"
+    plant(default)
+    env = shim.env("0=1G")
+    del env["MPSSHIM_REGION"]
+    env["PRIVATE_TMP"] = str(private)
+    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", UNSHARE_TMP, "sh"]
+    probe = subprocess.run([*wrap, "true"], env=env, capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a private /tmp here: {probe.stderr.strip()}")
+    cmds: list[object] = ["init", "ctx", 0, "alloc", M, "alloc", G, "ctx", 1, "alloc", M, "usage", 0]
+    return _run_env(shim, env, cmds, wrap=wrap), default
+
+
+def test_the_default_region_is_made_and_used_when_missing(shim: ShimEnv, tmp_path) -> None:
+    r, default = _with_private_tmp(shim, tmp_path, lambda path: None)
+    assert r.returncode == 0, r.stderr
+    assert r.rcs("alloc") == [0, 2, 0]  # capped: 1 MiB fits, 1 GiB more does not
+    assert r.of("usage")[0] == {"cmd": "usage", "rc": 0, "used": M, "cap": G}  # mpsshim_usage(NULL): the same file
+    assert default.stat().st_uid == __import__("os").getuid()
+
+
+@pytest.mark.parametrize("what", ["another user's file", "symlink", "fifo", "directory"])
+def test_a_default_region_planted_by_someone_else_is_refused_with_one_line(shim: ShimEnv, tmp_path, what: str) -> None:
+    """Another local user can create /tmp/mpsshim-<uid>.region first: the victim must neither
+    hang (a FIFO, a poisoned file) nor run uncapped; it refuses capped allocations, in one line."""
+    import os
+    import time
+
+    target = tmp_path / "host-file"
+    target.write_bytes(b"host data")
+
+    def plant(path) -> None:
+        if what == "another user's file":  # a real region of this shim's layout, owned by someone else
+            made = shim.run("gpa2", ["init", "ctx", 0, "alloc", M], limit="0=1G", extra={"MPSSHIM_REGION": str(path)})
+            assert made.rcs("alloc") == [0]
+            os.chown(path, 4242, 4242)
+        elif what == "symlink":
+            path.symlink_to(target)
+        elif what == "fifo":
+            os.mkfifo(path, 0o666)
+        else:
+            path.mkdir()
+
+    t0 = time.monotonic()
+    r, default = _with_private_tmp(shim, tmp_path, plant)
+    assert time.monotonic() - t0 < 30
+    assert r.rcs("alloc") == [2, 2, 0]  # capped device refused, never uncapped; device 1 is not capped
+    assert r.rcs("usage") == [-1]  # a tool reading the default region refuses it too
+    assert len(r.stderr_lines) == 1, r.stderr
+    assert str(default.name) in r.stderr_lines[0]
+    assert {"another user's file": "uid 4242", "symlink": "symbolic link", "fifo": "not a regular file",
+            "directory": "Is a directory"}[what] in r.stderr_lines[0]
+    assert target.read_bytes() == b"host data"
+
+
+def test_a_co_tenant_stopped_in_a_tight_alloc_free_loop_never_blocks_another_client(shim: ShimEnv) -> None:
+    """Four threads of one client allocate and free 4 KiB through the shim as fast as they can;
+    it is SIGSTOPped at random moments, twenty times. Every time, another client of the same
+    region initialises, allocates and frees at once (no cross-process lock on the way)."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+
+    env = shim.env("0=1G", {"MPSSHIM_LOG": "0"})
+    loop = subprocess.Popen(shim.argv("gpa2", ["init", "ctx", 0, "hammer", 4, 10**12, 4096, G]), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rng = random.Random(11)
+    try:
+        time.sleep(0.2)
+        for _ in range(20):
+            time.sleep(rng.uniform(0.001, 0.03))
+            os.kill(loop.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                other = subprocess.run(shim.argv("gpa2", ["init", "ctx", 0, "alloc", M, "free", "alloc", M]), env=env,
+                                       capture_output=True, text=True, timeout=20, check=False)
+                assert other.returncode == 0 and "alloc rc=0" in other.stdout, other.stdout + other.stderr
+                assert time.monotonic() - t0 < 10
+            finally:
+                os.kill(loop.pid, signal.SIGCONT)
+            assert loop.poll() is None
+    finally:
+        loop.kill()
+        loop.wait()
+    after = shim.run("gpa2", ["init", "ctx", 0, "info"], limit="0=1G")
+    assert after.of("info")[0]["free"] == G  # the killed looper's charges came back
