@@ -85,6 +85,9 @@ typedef struct ms_snapshot {
 } ms_snapshot;
 
 int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen);
+/* The same for a region the caller has opened and checked itself (a reader of files others can
+ * swap: open the name once, check it, read that file); the descriptor stays the caller's. */
+int ms_region_snapshot_fd(int fd, ms_snapshot *out, char *err, size_t errlen);
 /* The same with MS_OPEN_OWNED or 0 (as for ms_region_open_ex). */
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen);
 

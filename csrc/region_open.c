@@ -193,6 +193,8 @@ static int ms_create(const char *path, unsigned mode, char *err, size_t errlen) 
 }
 
 /* Open (creating if missing when writable) and validate; the fd and mapping on success. */
+static int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **hp, char *err, size_t errlen);
+
 static int ms_map(const char *path, int writable, unsigned mode, unsigned flags, int *fdp, ms_hdr **hp, char *err,
                   size_t errlen) {
     int fd = -1;
@@ -205,6 +207,13 @@ static int ms_map(const char *path, int writable, unsigned mode, unsigned flags,
             return ms_fail(err, errlen, -1, NULL, "cannot open region %.200s: %s", path, strerror(errno));
         if (ms_create(path, mode, err, errlen) != 0) return -1;
     }
+    if (ms_map_fd(fd, path, writable, flags, hp, err, errlen) != 0) return -1; /* fd closed */
+    *fdp = fd;
+    return 0;
+}
+
+/* Check and map the open region `fd` (named `path` in messages); on failure fd is closed. */
+static int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **hp, char *err, size_t errlen) {
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
         return ms_fail(err, errlen, fd, NULL, "region %.200s is not a regular file", path);
@@ -236,7 +245,6 @@ static int ms_map(const char *path, int writable, unsigned mode, unsigned flags,
         ms_release(fd, map);
         return -1;
     }
-    *fdp = fd;
     *hp = map;
     return 0;
 }
@@ -347,6 +355,8 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
     return ms_region_snapshot_ex(path, 0, out, err, errlen);
 }
 
+static void ms_snapshot_of(int fd, ms_hdr *h, ms_snapshot *out);
+
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen) {
     char dummy[1];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
@@ -358,6 +368,28 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
     int fd;
     ms_hdr *h;
     if (ms_map(path, 0, MS_MODE_UMASK, flags, &fd, &h, err, errlen) != 0) return -1;
+    ms_snapshot_of(fd, h, out);
+    return 0;
+}
+
+int ms_region_snapshot_fd(int fd, ms_snapshot *out, char *err, size_t errlen) {
+    char dummy[1], name[32];
+    if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
+    err[0] = '\0';
+    if (out == NULL) return ms_fail(err, errlen, -1, NULL, "no snapshot given");
+    memset(out, 0, sizeof *out);
+    snprintf(name, sizeof name, "/proc/self/fd/%d", fd);
+    /* The caller's descriptor stays open and its own: a duplicate is checked, mapped and closed. */
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) return ms_fail(err, errlen, -1, NULL, "region %s: %s", name, strerror(errno));
+    ms_hdr *h;
+    if (ms_map_fd(own, name, 0, 0, &h, err, errlen) != 0) return -1;
+    ms_snapshot_of(own, h, out);
+    return 0;
+}
+
+/* Fill `out` from the mapped region and release fd and mapping. */
+static void ms_snapshot_of(int fd, ms_hdr *h, ms_snapshot *out) {
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);
@@ -375,5 +407,4 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
         }
     }
     ms_release(fd, h);
-    return 0;
 }

@@ -1,7 +1,8 @@
 """Reading a container's accounting region through libmpsshim.so (cffi, ABI mode).
 
 The library exports ``int mpsshim_usage(const char *path, ms_snapshot *out, char *err,
-size_t errlen)``; ``ms_snapshot`` is declared in csrc/region.h and mirrored in CDEF below
+size_t errlen)`` and ``mpsshim_usage_fd(int fd, ...)`` (used here, on a file checked first);
+``ms_snapshot`` is declared in csrc/region.h and mirrored in CDEF below
 (tests/e2e/test_shim_package.py compares sizes and offsets with a C compiler's).
 """
 
@@ -41,6 +42,7 @@ typedef struct ms_snapshot {{
 }} ms_snapshot;
 
 int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
+int mpsshim_usage_fd(int fd, ms_snapshot *out, char *err, size_t errlen);
 """
 
 
@@ -85,7 +87,7 @@ def _load(path: str) -> tuple[Any, Any]:
     ffi.cdef(CDEF)
     try:
         lib = ffi.dlopen(path)
-        lib.mpsshim_usage  # noqa: B018 - resolve now, fail here if the export is missing
+        lib.mpsshim_usage_fd  # noqa: B018 - resolve now, fail here if the export is missing
     except (OSError, AttributeError) as exc:
         raise ShimError(f"cannot use {path} to read regions: {exc}") from exc
     return ffi, lib
@@ -152,8 +154,9 @@ def usage(
     """Per device: cap, bytes in use and the processes holding them, read from the region file
     that a container's processes share (their MPSSHIM_REGION). Read-only: claims no slot.
 
-    The file is checked first (``open_region``) and the library reads that very file through
-    /proc/self/fd, so a name swapped after the check (a FIFO, a symlink) is never opened.
+    The file is checked first (``open_region``) and the library reads that very file (opened
+    again through /proc/self/fd, handed over as a descriptor), so a name swapped after the check
+    (a FIFO, a symlink) is never opened.
     ``copy``: read a private copy instead of mapping the file, for a long-lived reader of files
     others can truncate (the device plugin, inside mpsd): no SIGBUS, but whether a process is
     alive cannot be told from a copy (every process is reported not alive)."""
@@ -162,16 +165,18 @@ def usage(
     ffi, lib = _load(lib_path)
     snap = ffi.new("ms_snapshot *")
     err = ffi.new("char[]", ERR_LEN)
-    fd = open_region(path)
+    held = open_region(path)
     try:
         if copy:
-            held = fd
             fd = private_copy(held, repr(str(path)))
-            os.close(held)
-        checked = f"/proc/self/fd/{fd}"
-        if lib.mpsshim_usage(os.fsencode(checked), snap, err, ERR_LEN) != 0:
-            reason = ffi.string(err).decode(errors="replace").replace(checked, str(path)) or "unknown error"
-            raise RegionError(f"cannot read region {str(path)!r}: {reason}")
+        else:  # the checked regular file itself: opening it cannot block or run a driver
+            fd = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    finally:
+        os.close(held)
+    try:
+        if lib.mpsshim_usage_fd(fd, snap, err, ERR_LEN) != 0:
+            reason = ffi.string(err).decode(errors="replace").replace(f"/proc/self/fd/{fd}", str(path))
+            raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}")
     finally:
         os.close(fd)
     nprocs = min(int(snap.nprocs), MAX_PROCS)
