@@ -8,6 +8,7 @@ Every error is a ConfigError with one line naming the key and the accepted form.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import reprlib
 from dataclasses import dataclass, field
@@ -35,6 +36,19 @@ def _path(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("a non-empty path")
     return value
+
+
+# The daemon's sockets (PIPE/control_privileged) must fit a unix socket address: 535 starts with
+# an 87-byte pipe dir and fails with 88 (seen on the real binary), leaving nothing to connect to.
+MAX_PIPE_DIR_BYTES = 87
+
+
+def _pipe_dir(value: Any) -> str:
+    path = _path(value)
+    if len(os.fsencode(os.path.normpath(path))) > MAX_PIPE_DIR_BYTES:
+        raise ValueError(f"a path of at most {MAX_PIPE_DIR_BYTES} bytes (the daemon's sockets in it must fit a "
+                         "unix socket address)")
+    return path
 
 
 def _optional_path(value: Any) -> str | None:
@@ -180,7 +194,7 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("controlBinary", "control-binary", _path, "nvidia-cuda-mps-control",
             "MPS control binary: a name on PATH or an absolute path"),
-    Setting("pipeDir", "pipe-dir", _path, "/tmp/nvidia-mps",
+    Setting("pipeDir", "pipe-dir", _pipe_dir, "/tmp/nvidia-mps",
             "CUDA_MPS_PIPE_DIRECTORY of the daemon and its clients"),
     Setting("logDir", "log-dir", _path, "/var/log/nvidia-mps",
             "CUDA_MPS_LOG_DIRECTORY: control.log and server.log"),
