@@ -221,6 +221,7 @@ def test_the_dashboard_shows_what_operators_need(exported: Exported) -> None:
         "mpsd_mps_clients", "mpsd_mps_servers", "mpsd_client_memory_bytes",  # clients and servers
         "mpsd_daemon_up", "mpsd_daemon_restarts_total", "mpsd_health_check_seconds_bucket",
         "mpsd_mps_servers_faulted", "mpsd_device_healthy", "mpsd_last_error_info", "mpsd_config_generation",
+        "mpsd_fault_terminations_total",  # what faultPolicy terminate did
     }  # fmt: skip
     assert needed - used == set()
     assert {p["type"] for p in dashboard()["panels"]} <= {
