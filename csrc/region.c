@@ -18,8 +18,13 @@
  *        2. CAS used[d]: {v, t} -> {v + x, tag(s, L)}   (retried, after helping, until it holds)
  *        3. fold: share[d] = pnew
  *        4. finish: dseq = s
- *    Before overwriting a tag t of another lane whose dseq < seq(t), a CAS "helps": it raises
- *    that lane's hseq to seq(t), recording for ever that operation t reached the total.
+ *    Before overwriting a tag t of another lane, a CAS "helps": it raises that lane's hseq to
+ *    seq(t), recording for ever that operation t reached the total. (It does so even when the
+ *    owner has finished t: checking its dseq would move the owner's line to this core on every
+ *    operation, while hseq sits on a line only helpers write, usually already this core's.)
+ *  - Cache lines: a device word, a lane's own fields, a lane's hseq and the read-mostly caps each
+ *    have lines (and 128-byte pairs) of their own, so the only line an uncontended-by-design
+ *    charge moves between cores is the device word's.
  *
  * What a process killed at any instruction leaves, and how a survivor repairs it.
  *  A dead process's lanes are frozen (only helpers still raise hseq). For a lane with pseq ==
@@ -137,16 +142,17 @@ uint64_t ms_announce(ms_lane *L, uint32_t kind, int dev, uint64_t delta, uint64_
     return seq;
 }
 
-/* Before overwriting `tag`: record that its operation reached the total, unless its lane
- * (ours, or one that already finished it) needs no telling. */
+/* Before overwriting `tag`: record that its operation reached the total, unless it is our own
+ * lane's (a lane has one operation at a time: the tag's is finished). hseq is on a line the
+ * owner never touches on its own path, so the mark is usually a write to a line this core
+ * already holds; reading the owner's dseq first to skip it would pull the owner's line over
+ * on every operation instead. */
 static void ms_help(ms_hdr *h, uint64_t tag, int slot, int lane) {
     unsigned tl = tag & 15, ts = (tag >> 4) & 255;
     uint64_t seq = tag >> 12;
     if (tag == 0 || (ts == (unsigned)slot && tl == (unsigned)lane)) return;
-    ms_lane *o = &h->slot[ts].lane[tl];
-    if (__atomic_load_n(&o->dseq, __ATOMIC_ACQUIRE) >= seq) return;
-    uint64_t hs = __atomic_load_n(&o->hseq, __ATOMIC_RELAXED);
-    while (hs < seq && !__atomic_compare_exchange_n(&o->hseq, &hs, seq, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+    uint64_t *hp = &h->slot[ts].lane[tl].hseq, hs = __atomic_load_n(hp, __ATOMIC_RELAXED);
+    while (hs < seq && !__atomic_compare_exchange_n(hp, &hs, seq, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
     }
 }
 

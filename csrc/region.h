@@ -115,32 +115,37 @@ enum { MS_SLOT_FREE = 0, MS_SLOT_CLAIMING = 1, MS_SLOT_CLAIMED = 2 };
 enum { MS_OP_SHARE = 1, /* the lane's share of pdev becomes pnew */
        MS_OP_REPAIR = 2 /* every lane of the slot gets share 0 on pdev (a dead slot's share went back) */ };
 
+/* Every field that one party writes often and another reads sits on a line of its own, in a
+ * 128-byte pair of its own (x86 fetches lines in adjacent pairs): a charge moves the device
+ * word's line between cores, and nothing else in the common case. */
 typedef struct ms_word {
     uint64_t val; /* bytes in use on the device */
     uint64_t tag; /* seq << 12 | slot << 4 | lane of the last change; 0 before the first */
-} __attribute__((aligned(16))) ms_word;
+    char pad[112];
+} __attribute__((aligned(128))) ms_word;
 
 typedef struct ms_lane {
-    /* written by the thread using the lane (or by whoever repairs the dead slot) */
+    /* written only by the thread using the lane (or by whoever repairs the dead slot) */
     uint64_t pseq;   /* the last operation announced (sequence numbers only grow, never reused) */
     uint32_t pkind;  /* MS_OP_* */
     uint32_t pdev;
     uint64_t pdelta; /* added to used[pdev].val (modulo 2^64: a give-back is a negative number) */
     uint64_t pnew;   /* the lane's share of pdev after the operation (MS_OP_SHARE) */
-    char pad0[32];
-    /* a line of its own, read by other threads and processes before they overwrite a tag */
-    uint64_t dseq; /* the last operation finished; pseq != dseq: one is in flight */
-    uint64_t hseq; /* written by others: "operation hseq of this lane reached the total" */
-    char pad1[48];
+    uint64_t dseq;   /* the last operation finished; pseq != dseq: one is in flight */
+    char pad0[24];
     uint64_t share[MS_MAX_DEVICES];
-} __attribute__((aligned(64))) ms_lane;
+    /* a line written by others only, which the owner never touches on its own path: "operation
+     * hseq of this lane reached the total" (read by whoever repairs the dead lane) */
+    uint64_t hseq;
+    char pad1[56];
+} __attribute__((aligned(128))) ms_lane;
 
 typedef struct ms_slot {
     uint64_t state;
     int32_t pid; /* as the owner saw itself (informational: liveness is the file lock) */
-    char pad[52];
+    char pad[116];
     ms_lane lane[MS_LANES];
-} __attribute__((aligned(64))) ms_slot;
+} __attribute__((aligned(128))) ms_slot;
 
 typedef struct ms_hdr {
     char magic[8];
@@ -151,7 +156,8 @@ typedef struct ms_hdr {
     uint64_t resolved;  /* operations a dead process left in flight, finished or dropped by a survivor */
     uint64_t reclaimed; /* dead slots given back */
     uint64_t clamped;   /* uncharges of more than the process held; totals found below a share */
-    uint64_t cap[MS_MAX_DEVICES]; /* last cap charged against per device */
+    uint64_t cap[MS_MAX_DEVICES]; /* last cap charged against per device (read-mostly) */
+    char pad1[64];                /* used[] starts on a 128-byte pair of its own */
     ms_word used[MS_MAX_DEVICES];
     ms_slot slot[MS_SLOTS];
 } ms_hdr;
@@ -160,11 +166,11 @@ typedef struct ms_hdr {
 _Static_assert(offsetof(ms_hdr, version) == 8, "layout");
 _Static_assert(offsetof(ms_hdr, resolved) == 40, "layout");
 _Static_assert(offsetof(ms_hdr, cap) == 64, "layout");
-_Static_assert(offsetof(ms_hdr, used) == 64 + 8 * MS_MAX_DEVICES, "layout");
-_Static_assert(offsetof(ms_hdr, slot) == 64 + 24 * MS_MAX_DEVICES, "layout");
-_Static_assert(sizeof(ms_lane) == 128 + 8 * MS_MAX_DEVICES && offsetof(ms_lane, dseq) == 64, "layout");
-_Static_assert(offsetof(ms_lane, hseq) == 72 && offsetof(ms_lane, share) == 128, "layout");
-_Static_assert(sizeof(ms_slot) == 64 + MS_LANES * sizeof(ms_lane), "layout");
-_Static_assert(sizeof(ms_hdr) == 64 + 24 * MS_MAX_DEVICES + MS_SLOTS * sizeof(ms_slot), "layout");
+_Static_assert(offsetof(ms_hdr, used) == 128 + 8 * MS_MAX_DEVICES && sizeof(ms_word) == 128, "layout");
+_Static_assert(offsetof(ms_hdr, slot) == 128 + 136 * MS_MAX_DEVICES, "layout");
+_Static_assert(offsetof(ms_lane, dseq) == 32 && offsetof(ms_lane, share) == 64, "layout");
+_Static_assert(offsetof(ms_lane, hseq) == 64 + 8 * MS_MAX_DEVICES && sizeof(ms_lane) == 128 + 8 * MS_MAX_DEVICES, "layout");
+_Static_assert(offsetof(ms_slot, lane) == 128 && sizeof(ms_slot) == 128 + MS_LANES * sizeof(ms_lane), "layout");
+_Static_assert(sizeof(ms_hdr) == 128 + 136 * MS_MAX_DEVICES + MS_SLOTS * sizeof(ms_slot), "layout");
 
 #endif

@@ -23,8 +23,9 @@ from tests.core.conftest import VARIANTS, LineProc, Repl, driver_env, snap
 
 MAX = (1 << 64) - 1
 # Header offsets of layout version 2 (csrc/region.h, struct ms_hdr); a layout change must update them.
-OFF_VERSION, OFF_RESOLVED, OFF_USED0, OFF_SLOTS = 8, 40, 64 + 8 * 64, 64 + 24 * 64
-SLOT_SIZE, SLOTS = 64 + 16 * (128 + 8 * 64), 256
+OFF_VERSION, OFF_RESOLVED, OFF_USED0, OFF_SLOTS = 8, 40, 128 + 8 * 64, 128 + 136 * 64
+WORD_SIZE, LANE_SIZE = 128, 128 + 8 * 64  # a device word; a lane: owner's line, share[64], helpers' line
+SLOT_SIZE, SLOTS = 128 + 16 * LANE_SIZE, 256
 FILE_SIZE = OFF_SLOTS + SLOTS * SLOT_SIZE
 V1_SIZE = 128 + 2 * 8 * 64 + 256 * 576  # the layout before this one
 

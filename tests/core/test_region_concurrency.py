@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.core.conftest import VARIANTS, LineProc, Repl, driver_env, snap
-from tests.core.test_region import FILE_SIZE, OFF_SLOTS, OFF_USED0, SLOT_SIZE, SLOTS
+from tests.core.test_region import FILE_SIZE, LANE_SIZE, OFF_SLOTS, OFF_USED0, SLOT_SIZE, SLOTS, WORD_SIZE
 
 CAP = 1 << 30
 ANSWER_WITHIN = 5.0  # seconds; an answer never depends on a stopped process, so this is only slack for load
@@ -110,15 +110,15 @@ def poke(path: Path, offset: int, value: int) -> None:
         f.write(struct.pack("<Q", value & ((1 << 64) - 1)))
 
 
-LANE = 128 + 8 * 64
+LANE0 = OFF_SLOTS + 128  # slot 0, lane 0
 POISON = {
     # where, what: a live thread ID (as in the old layout's lock word), or garbage
     "old lock word": (64, "tid"),
     "device 0 tag": (OFF_USED0 + 8, "garbage"),
     "slot state": (OFF_SLOTS + 7 * SLOT_SIZE, "tid"),
     "slot state, claimed": (OFF_SLOTS + 7 * SLOT_SIZE, "claimed"),
-    "lane in flight": (OFF_SLOTS + 7 * SLOT_SIZE + 64 + 3 * LANE, "garbage"),
-    "helper mark": (OFF_SLOTS + 64 + 72, "garbage"),
+    "lane in flight": (LANE0 + 7 * SLOT_SIZE + 3 * LANE_SIZE, "garbage"),
+    "helper mark": (LANE0 + 64 + 8 * 64, "garbage"),
     "device 0 total": (OFF_USED0, "garbage"),
 }
 
@@ -166,13 +166,11 @@ def test_threads_race_cleanly_under_thread_sanitizer(core_bin: Path, tmp_path: P
 
 # --- threads of one process: frees on another thread than the charge ---
 
-LANE_SIZE = 128 + 8 * 64
-
 
 def lane_shares(data: bytes, slot: int) -> list[int]:
     """Every lane's share of every device in a slot, as stored."""
-    base = OFF_SLOTS + slot * SLOT_SIZE + 64
-    return [x for k in range(16) for x in struct.unpack_from("<64Q", data, base + k * LANE_SIZE + 128)]
+    base = LANE0 + slot * SLOT_SIZE
+    return [x for k in range(16) for x in struct.unpack_from("<64Q", data, base + k * LANE_SIZE + 64)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -199,4 +197,4 @@ def test_frees_on_another_thread_than_the_charge(repl: Repl, tmp_path: Path, var
     assert q.ask("close") == "ok"
     data = path.read_bytes()
     assert not any(any(lane_shares(data, slot)) for slot in range(SLOTS))
-    assert struct.unpack_from("<Q", data, OFF_USED0 + 16)[0] == 0  # device 1's total
+    assert struct.unpack_from("<Q", data, OFF_USED0 + WORD_SIZE)[0] == 0  # device 1's total
