@@ -16,8 +16,9 @@ static CUresult stream_dev(CUstream s, int *dev) {
 
 /* ---- live allocations: chained hash keyed by pointer or handle ------------------------- */
 enum { K_PTR = 1, K_HANDLE = 2, K_MAP = 3 };
-/* K_HANDLE: holds = 1 while unreleased + its mappings (memory freed when it reaches 0).
- * K_MAP: key = mapped address, bytes = mapping size, ref = the handle mapped there. */
+/* K_HANDLE: holds = the handle's references (1 from cuMemCreate, + 1 per
+ * cuMemRetainAllocationHandle, - 1 per cuMemRelease), ref = its mappings; the memory is freed
+ * when both are 0. K_MAP: key = mapped address, bytes = mapping size, ref = the handle mapped there. */
 struct alloc { unsigned long long key, bytes, ref; int dev, kind, holds; struct alloc *next; };
 #define BUCKETS 4096
 static struct alloc *table[BUCKETS];
@@ -204,20 +205,26 @@ static void unlink_locked(struct alloc **pp) {
     a->next = spare;
     spare = a;
 }
-static void drop_handle_locked(unsigned long long h) {
-    struct alloc **pp = find_locked(h, K_HANDLE);
-    if (pp && --(*pp)->holds == 0) {
+/* Free a handle's memory if it has neither references nor mappings left. */
+static void settle_handle_locked(struct alloc **pp) {
+    if ((*pp)->holds == 0 && (*pp)->ref == 0) {
         used_mem[(*pp)->dev] -= (*pp)->bytes;
         unlink_locked(pp);
     }
 }
+/* A handle with no reference left (released, kept alive by a mapping) is not a valid handle:
+ * releasing or mapping it is refused, as the real driver refuses a released handle. */
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
     ENTER(cuMemRelease); NEED_INIT();
     pthread_mutex_lock(&lock);
     struct alloc **pp = find_locked(h, K_HANDLE);
-    if (pp) drop_handle_locked(h);
+    int ok = pp && (*pp)->holds > 0;
+    if (ok) {
+        (*pp)->holds--;
+        settle_handle_locked(pp);
+    }
     pthread_mutex_unlock(&lock);
-    return pp ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 /* Not in fake_cuda.h's counter list (FAKE_CUDA_FUNCS): these three are not counted. */
 EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
@@ -231,12 +238,12 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
     pthread_mutex_lock(&lock);
     struct alloc **hp = find_locked(h, K_HANDLE);
     struct alloc *m = spare;
-    CUresult r = !hp ? CUDA_ERROR_INVALID_HANDLE
+    CUresult r = !hp || (*hp)->holds == 0 ? CUDA_ERROR_INVALID_HANDLE
                : size > (*hp)->bytes || find_locked(ptr, K_MAP) ? CUDA_ERROR_INVALID_VALUE
                : !m && !(m = malloc(sizeof *m)) ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
     if (!r) {
         if (m == spare) spare = m->next;
-        (*hp)->holds++;
+        (*hp)->ref++;
         *m = (struct alloc){ptr, size, h, (*hp)->dev, K_MAP, 1, table[bucket(ptr)]};
         table[bucket(ptr)] = m;
     }
@@ -257,7 +264,9 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
         unsigned long long h = (*pp)->ref;
         at += (*pp)->bytes;
         unlink_locked(pp);
-        drop_handle_locked(h);
+        struct alloc **hp = find_locked(h, K_HANDLE);
+        (*hp)->ref--;
+        settle_handle_locked(hp);
     }
     pthread_mutex_unlock(&lock);
     return r;
