@@ -1,4 +1,5 @@
 /* Memory and streams of the fake libcuda.so.1 (contract: fake_cuda.c). */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -212,10 +213,23 @@ static void settle_handle_locked(struct alloc **pp) {
         unlink_locked(pp);
     }
 }
+/* FAKE_CUDA_VMM_YIELD=N: the VMM calls yield the CPU N times before they act, which widens
+ * the windows in which racing threads see one another (tests/shim/test_vmmrace.py). */
+static void vmm_yield(void) {
+    static int n = -1;
+    int v = __atomic_load_n(&n, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *e = getenv("FAKE_CUDA_VMM_YIELD");
+        v = e ? atoi(e) : 0;
+        __atomic_store_n(&n, v < 0 ? 0 : v, __ATOMIC_RELAXED);
+    }
+    for (int i = 0; i < v; i++) sched_yield();
+}
 /* A handle with no reference left (released, kept alive by a mapping) is not a valid handle:
  * releasing or mapping it is refused, as the real driver refuses a released handle. */
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
     ENTER(cuMemRelease); NEED_INIT();
+    vmm_yield();
     pthread_mutex_lock(&lock);
     struct alloc **pp = find_locked(h, K_HANDLE);
     int ok = pp && (*pp)->holds > 0;
@@ -235,6 +249,7 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
                          unsigned long long flags) {
     NEED_INIT();
     if (!ptr || !size || offset || flags) return CUDA_ERROR_INVALID_VALUE;
+    vmm_yield();
     pthread_mutex_lock(&lock);
     struct alloc **hp = find_locked(h, K_HANDLE);
     struct alloc *m = spare;
@@ -255,6 +270,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     NEED_INIT();
     unsigned long long end = ptr + size, at = ptr;
     if (!ptr || !size || end < ptr) return CUDA_ERROR_INVALID_VALUE;
+    vmm_yield();
     pthread_mutex_lock(&lock);
     for (struct alloc **pp; at < end && (pp = find_locked(at, K_MAP)) && (*pp)->bytes <= end - at;)
         at += (*pp)->bytes;
@@ -275,6 +291,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr) {
     NEED_INIT();
     if (!h) return CUDA_ERROR_INVALID_VALUE;
+    vmm_yield();
     pthread_mutex_lock(&lock);
     struct alloc **mp = find_locked((unsigned long long)(uintptr_t)addr, K_MAP);
     struct alloc **hp = mp ? find_locked((*mp)->ref, K_HANDLE) : NULL;
