@@ -232,7 +232,7 @@ def test_threads_racing_to_free_one_pointer_give_it_back_exactly_once(core_bin: 
 
 @pytest.fixture(scope="module")
 def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """track_test and csrc/track.c built with ThreadSanitizer (here, so the core Makefile stays as it is)."""
+    """track_test and csrc/track*.c built with ThreadSanitizer (here, so the core Makefile stays as it is)."""
     runtime = subprocess.run(["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True, check=False)
     if not Path(runtime.stdout.strip()).is_absolute():
         pytest.skip("the C compiler has no ThreadSanitizer runtime")
@@ -240,7 +240,7 @@ def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     csrc = HERE.parent.parent / "csrc"
     subprocess.run(
         ["cc", "-std=gnu11", "-D_GNU_SOURCE", "-g", "-O1", "-fsanitize=thread", "-pthread", f"-I{csrc}"]
-        + [str(HERE / "track_test.c"), str(csrc / "track.c"), "-o", str(exe)],
+        + [str(HERE / "track_test.c"), str(csrc / "track.c"), str(csrc / "track_refs.c"), "-o", str(exe)],
         check=True,
     )
     return exe
