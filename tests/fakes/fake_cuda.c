@@ -8,7 +8,7 @@
  *                      "16G". A malformed value makes cuInit fail with CUDA_ERROR_INVALID_VALUE
  *                      and one line on stderr. "" or "0" devices: cuInit -> CUDA_ERROR_NO_DEVICE.
  *   FAKE_CUDA_LOG=1    print each call to stderr.
- *   FAKE_CUDA_VMM_YIELD=N  cuMemRelease/Map/Unmap/RetainAllocationHandle yield the CPU N times
+ *   FAKE_CUDA_VMM_YIELD=N  cuMemRelease/Map/Unmap/RetainAllocationHandle yield the CPU 0 to 2N times
  *                      before acting (read at their first call), so that racing threads meet.
  *
  * Semantics kept from the real driver (so the shim is tested against them):

@@ -213,17 +213,26 @@ static void settle_handle_locked(struct alloc **pp) {
         unlink_locked(pp);
     }
 }
-/* FAKE_CUDA_VMM_YIELD=N: the VMM calls yield the CPU N times before they act, which widens
- * the windows in which racing threads see one another (tests/shim/test_vmmrace.py). */
+/* FAKE_CUDA_VMM_YIELD=N: the VMM calls yield the CPU 0 to 2N times (N on average, varying from
+ * call to call) before they act, which widens the windows in which racing threads see one
+ * another and varies which of them acts first; then they call the program's
+ * fakecuda_vmm_probe() if it exports one, just before acting (tests/shim/vmmrace.c looks there
+ * for a charge given back while this driver still holds the memory). */
+extern void fakecuda_vmm_probe(void) __attribute__((weak, visibility("default")));
 static void vmm_yield(void) {
     static int n = -1;
+    static __thread unsigned seed;
     int v = __atomic_load_n(&n, __ATOMIC_RELAXED);
     if (v < 0) {
         const char *e = getenv("FAKE_CUDA_VMM_YIELD");
         v = e ? atoi(e) : 0;
-        __atomic_store_n(&n, v < 0 ? 0 : v, __ATOMIC_RELAXED);
+        v = v < 0 ? 0 : v > 1000 ? 1000 : v;
+        __atomic_store_n(&n, v, __ATOMIC_RELAXED);
     }
-    for (int i = 0; i < v; i++) sched_yield();
+    if (seed == 0) seed = (unsigned)(uintptr_t)&seed | 1;
+    seed ^= seed << 13, seed ^= seed >> 17, seed ^= seed << 5;
+    for (unsigned i = 0, k = seed % (2u * (unsigned)v + 1); i < k; i++) sched_yield();
+    if (v > 0 && fakecuda_vmm_probe) fakecuda_vmm_probe();
 }
 /* A handle with no reference left (released, kept alive by a mapping) is not a valid handle:
  * releasing or mapping it is refused, as the real driver refuses a released handle. */

@@ -3,8 +3,9 @@ unmap, release against map, a racing double release): the charge follows the dri
 lifetime of the memory, so the region never counts less than the driver holds (no early
 uncharge) and returns to exactly 0 (no leak). The fake driver frees a handle's memory by the real
 rule (no reference left: cuMemCreate's, one per cuMemRetainAllocationHandle, less one per
-cuMemRelease; and no mapping) and yields the CPU inside each VMM call (FAKE_CUDA_VMM_YIELD) so
-that the threads meet often. Also run with the shim built with ASan+UBSan and with TSan."""
+cuMemRelease; and no mapping), yields the CPU inside each VMM call (FAKE_CUDA_VMM_YIELD) so that
+the threads meet often, and lets the program compare the region with it just before each call
+acts. Also run with the shim built with ASan+UBSan and with TSan."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import pytest
 from .conftest import CSRC, HERE, ShimEnv
 
 SAN_FLAGS = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all"
-ROUNDS = 1500
+ROUNDS = 1000
 
 
 @pytest.fixture(scope="module")
 def vmmrace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     exe = tmp_path_factory.mktemp("vmmrace") / "vmmrace"
     cmd = ["cc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", str(HERE / "vmmrace.c")]
-    subprocess.run([*cmd, "-o", str(exe), "-ldl", "-lpthread"], check=True)
+    # -rdynamic: the fake driver calls the program's fakecuda_vmm_probe inside each VMM call
+    subprocess.run([*cmd, "-rdynamic", "-o", str(exe), "-ldl", "-lpthread"], check=True)
     return exe
 
 

@@ -10,8 +10,10 @@
  *                         double release: the driver takes one, refuses the others)
  * After each round (threads back, before cleaning up) the region must count exactly what the
  * driver holds (fakecuda_used); then whatever is left is unmapped/released and both must be 0.
- * A watcher thread samples the region, then the driver, all along: while only frees happen, a
- * region below the driver means a charge went back while the driver still held the memory.
+ * A watcher thread samples the region, then the driver, all along, and so does every VMM call
+ * of the fake driver just before it acts (fakecuda_vmm_probe; link with -rdynamic): while only
+ * frees happen, a region below the driver means a charge went back while the driver still held
+ * the memory.
  * Prints "vmmrace ok=O failed=F mid=M end=E premature=P samples=S driver_used=U region_used=R":
  * M, E, P (rounds / samples that disagreed) must be 0, U and R 0. */
 #define _GNU_SOURCE
@@ -72,29 +74,35 @@ static void count(CUresult rc)
     __atomic_add_fetch(rc == 0 ? &ok : &failed, 1, __ATOMIC_RELAXED);
 }
 
+/* Thread `me` plays part (me + round) % THREADS of the round. */
 static void *worker(void *arg)
 {
     int me = (int)(long)arg;
+    unsigned seed = 2463534242u + (unsigned)me * 7919u;
     for (long r = 1; r <= rounds; r++) {
         wait_until(&round_no, r);
+        seed ^= seed << 13, seed ^= seed >> 17, seed ^= seed << 5;
+        for (volatile unsigned spin = seed % 2048; spin > 0; spin--) /* a different start each round */
+            ;
         Handle h = __atomic_load_n(&target, __ATOMIC_RELAXED), mine = 0;
         CUresult rc;
+        int role = (int)((me + r) % nthreads); /* the threads take turns at each part */
         switch (mode) {
         case RELEASE_UNMAP:
-            if (me < 2) /* the other threads sit this mode out */
-                count(me == 0 ? release(h) : unmap(VA, size));
+            if (role < 2) /* the other threads sit this mode out */
+                count(role == 0 ? release(h) : unmap(VA, size));
             break;
         case RETAIN_RELEASE:
-            if (me == nthreads - 1) {
+            if (role == 0) {
                 count(unmap(VA, size));
             } else if ((rc = retain(&mine, (void *)VA)) == 0) {
                 count(mine == h ? release(mine) : 99);
             }
             break;
         case RELEASE_MAP:
-            if (me == 0) {
+            if (role == 0) {
                 count(release(h));
-            } else if (me == 1) {
+            } else if (role == 1) {
                 rc = map(VA, size, 0, h, 0);
                 if (rc == 0)
                     __atomic_store_n(&mapped, 1, __ATOMIC_RELAXED);
@@ -111,19 +119,31 @@ static void *worker(void *arg)
 
 /* Region first, driver second: with only frees under way the driver cannot have grown between
  * the two, so a region below it means an early uncharge. */
+static void sample(void)
+{
+    long g = __atomic_load_n(&gen, __ATOMIC_ACQUIRE);
+    long long r = region_used();
+    unsigned long long d = driver_used(0);
+    if ((g & 1) || __atomic_load_n(&gen, __ATOMIC_ACQUIRE) != g)
+        return;
+    __atomic_add_fetch(&samples, 1, __ATOMIC_RELAXED);
+    if (r < (long long)d)
+        __atomic_add_fetch(&premature, 1, __ATOMIC_RELAXED);
+}
+
+/* The fake driver calls this inside each VMM call just before it acts (FAKE_CUDA_VMM_YIELD):
+ * the moment another thread's early uncharge is still visible. */
+__attribute__((visibility("default"))) void fakecuda_vmm_probe(void);
+void fakecuda_vmm_probe(void)
+{
+    sample();
+}
+
 static void *watcher(void *arg)
 {
     (void)arg;
-    while (!__atomic_load_n(&stop, __ATOMIC_ACQUIRE)) {
-        long g = __atomic_load_n(&gen, __ATOMIC_ACQUIRE);
-        long long r = region_used();
-        unsigned long long d = driver_used(0);
-        if ((g & 1) || __atomic_load_n(&gen, __ATOMIC_ACQUIRE) != g)
-            continue;
-        samples++;
-        if (r < (long long)d)
-            premature++;
-    }
+    while (!__atomic_load_n(&stop, __ATOMIC_ACQUIRE))
+        sample();
     return NULL;
 }
 
