@@ -96,7 +96,9 @@ static int64_t ms_find_freeing(const ms_shard *s, int kind, uint64_t key, uint64
     return best;
 }
 
-static int ms_in_use(const ms_entry *e) { return e->state == MS_E_FULL || e->state == MS_E_FREEING || e->state == MS_E_DEAD; }
+static int ms_in_use(const ms_entry *e) {
+    return e->state == MS_E_FULL || e->state == MS_E_FREEING || e->state == MS_E_DEAD;
+}
 
 static void ms_put(ms_entry *tab, uint32_t cap, const ms_entry *src, uint64_t h) {
     uint32_t mask = cap - 1, i = (uint32_t)h & mask;

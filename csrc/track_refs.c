@@ -122,6 +122,6 @@ void ms_track_retain_end(int ok, uint64_t handle, void (*give_back)(int dev, uin
         }
         ms_spin_unlock(&s->lock);
     }
-    if (__atomic_sub_fetch(&ms_retains, 1, __ATOMIC_SEQ_CST) == 0 && __atomic_load_n(&ms_refs_zeros, __ATOMIC_SEQ_CST) > 0)
-        ms_sweep(give_back);
+    int last = __atomic_sub_fetch(&ms_retains, 1, __ATOMIC_SEQ_CST) == 0;
+    if (last && __atomic_load_n(&ms_refs_zeros, __ATOMIC_SEQ_CST) > 0) ms_sweep(give_back);
 }

@@ -173,7 +173,8 @@ int main(int argc, char **argv)
         if (strcmp(argv[1], modes[i]) == 0)
             mode = i;
     if (mode < 0) {
-        fprintf(stderr, "usage: vmmrace release-unmap|retain-release|release-map|release-release THREADS ROUNDS SIZE\n");
+        fprintf(stderr, "usage: vmmrace release-unmap|retain-release|release-map|release-release"
+                        " THREADS ROUNDS SIZE\n");
         return 2;
     }
     nthreads = atoi(argv[2]);
