@@ -5,7 +5,9 @@
  * program may release right after mapping (the CUDA samples' idiom; NCCL retains and releases
  * handles of live buffers) and keep using the memory. The shim follows the same rule: a
  * charged handle holds one reference for itself, one per cuMemRetainAllocationHandle and one
- * per mapping (track.h's holds); the last of cuMemRelease / cuMemUnmap uncharges it.
+ * per mapping, counted as the driver confirms them (track.h's ms_track_ref_*), so threads racing
+ * on one handle cannot uncharge memory the driver still holds nor keep a charge it freed: the
+ * call that ends last when the driver has freed it uncharges it, once.
  *
  * Mappings are remembered by address (with their size and handle, also for handles the shim
  * did not charge) so that one cuMemUnmap covering several adjacent mappings drops a reference
@@ -40,42 +42,31 @@ CUresult ms_hk_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, co
 }
 MS_EXPORT_AS(cuMemCreate)
 
-/* Drop one reference of a handle; its charge goes back with the last one. */
-static void drop(CUmemGenericAllocationHandle handle)
+/* A call that may drop a reference of a tracked handle has ended (ok: the driver did it). */
+static void ref_end(CUmemGenericAllocationHandle handle, uint64_t ticket, int add, int ok)
 {
     int dev;
     uint64_t bytes;
-    if (ms_track_hold(MS_TRACK_HANDLE, handle, -1, &dev, &bytes) == 1)
+    if (ms_track_ref_end(handle, ticket, add, ok, &dev, &bytes) == 1)
         ms_uncharge(dev, bytes);
 }
 
-/* The reference is dropped before the driver is asked (a handle value the driver frees and
- * hands out again must not meet a stale entry), and taken back if the driver refuses. */
 CUresult ms_hk_cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     __typeof(ms_hk_cuMemRelease) *real = MS_REAL(cuMemRelease);
     if (real == NULL)
         return ms_no_driver("cuMemRelease");
-    if (!ms_tracking())
-        return real(handle);
-    int dev;
-    uint64_t bytes;
-    int last = ms_track_hold(MS_TRACK_HANDLE, handle, -1, &dev, &bytes);
+    uint64_t ticket;
+    int tracked = ms_tracking() && ms_track_ref_begin(handle, 0, &ticket);
     CUresult rc = real(handle);
-    if (rc != CUDA_SUCCESS) { /* the driver kept the reference: so does the shim */
-        if (last == 0)
-            ms_track_hold(MS_TRACK_HANDLE, handle, 1, NULL, NULL);
-        else if (last == 1)
-            ms_track_add(MS_TRACK_HANDLE, handle, dev, bytes);
-    } else if (last == 1) {
-        ms_uncharge(dev, bytes);
-    }
+    if (tracked)
+        ref_end(handle, ticket, 0, rc == CUDA_SUCCESS);
     return rc;
 }
 MS_EXPORT_AS(cuMemRelease)
 
-/* The mapping's reference is taken before the driver maps (a release racing with the map
- * cannot uncharge memory that is about to be mapped) and dropped again if it refuses. */
+/* The mapping counts as an add in flight until the driver answers: a release or unmap ending
+ * meanwhile cannot uncharge memory the map may be keeping. */
 CUresult ms_hk_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                         unsigned long long flags)
 {
@@ -84,7 +75,8 @@ CUresult ms_hk_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
         return ms_no_driver("cuMemMap");
     if (!ms_tracking())
         return real(ptr, size, offset, handle, flags);
-    int held = ms_track_hold(MS_TRACK_HANDLE, handle, 1, NULL, NULL) == 0;
+    uint64_t ticket;
+    int tracked = ms_track_ref_begin(handle, 1, &ticket);
     CUresult rc = real(ptr, size, offset, handle, flags);
     if (rc == CUDA_SUCCESS && ms_track_add_aux(MS_TRACK_MAP, ptr, -1, size, handle) != 0) {
         __typeof(ms_hk_cuMemUnmap) *unmap = MS_REAL(cuMemUnmap);
@@ -93,14 +85,15 @@ CUresult ms_hk_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
         ms_log(MS_LOG_ERROR, "cuMemMap refused: no memory to remember the mapping");
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
-    if (rc != CUDA_SUCCESS && held)
-        drop(handle);
+    if (tracked)
+        ref_end(handle, ticket, 1, rc == CUDA_SUCCESS);
     return rc;
 }
 MS_EXPORT_AS(cuMemMap)
 
 typedef struct mapping {
-    uint64_t va, size, handle;
+    uint64_t va, size, handle, ticket;
+    int tracked; /* the handle is tracked: a drop of its reference is in flight (ticket) */
 } mapping;
 
 /* Forget the mapping that starts at `va` if it lies inside [va, end); 0 if there is none. */
@@ -114,13 +107,15 @@ static int take_mapping(uint64_t va, uint64_t end, mapping *m)
         ms_track_add_aux(MS_TRACK_MAP, va, dev, m->size, m->handle);
         return 0;
     }
+    m->tracked = ms_track_ref_begin(m->handle, 0, &m->ticket);
     return 1;
 }
 
 enum { UNMAP_BATCH = 64 };
 
 /* The mappings in [ptr, ptr + size) are forgotten before the driver unmaps (an address mapped
- * again right after must not be forgotten instead) and remembered again if it refuses. */
+ * again right after must not be forgotten instead) and remembered again if it refuses; each
+ * mapped handle's reference is dropped once the driver has answered. */
 CUresult ms_hk_cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     __typeof(ms_hk_cuMemUnmap) *real = MS_REAL(cuMemUnmap);
@@ -134,31 +129,36 @@ CUresult ms_hk_cuMemUnmap(CUdeviceptr ptr, size_t size)
     while (n < UNMAP_BATCH && va < end && take_mapping(va, end, &m[n]))
         va += m[n++].size;
     CUresult rc = real(ptr, size);
-    if (rc != CUDA_SUCCESS) {
-        for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        if (rc != CUDA_SUCCESS)
             ms_track_add_aux(MS_TRACK_MAP, m[i].va, -1, m[i].size, m[i].handle);
-        return rc;
+        if (m[i].tracked)
+            ref_end(m[i].handle, m[i].ticket, 0, rc == CUDA_SUCCESS);
     }
-    for (int i = 0; i < n; i++)
-        drop(m[i].handle);
     mapping more; /* a range of more than one batch of mappings: the rest are gone too */
-    while (va < end && take_mapping(va, end, &more)) {
-        drop(more.handle);
+    while (rc == CUDA_SUCCESS && va < end && take_mapping(va, end, &more)) {
+        if (more.tracked)
+            ref_end(more.handle, more.ticket, 0, 1);
         va += more.size;
     }
     return rc;
 }
 MS_EXPORT_AS(cuMemUnmap)
 
-/* The driver hands back the very handle value that was mapped; it must be released once more. */
+/* The driver hands back the very handle value that was mapped; it must be released once more.
+ * Which handle it is is known only once the driver answers, so while the call is in flight no
+ * handle's last reference is taken as gone (track.h). */
 CUresult ms_hk_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
 {
     __typeof(ms_hk_cuMemRetainAllocationHandle) *real = MS_REAL(cuMemRetainAllocationHandle);
     if (real == NULL)
         return ms_no_driver("cuMemRetainAllocationHandle");
+    if (!ms_tracking())
+        return real(handle, addr);
+    ms_track_retain_begin();
     CUresult rc = real(handle, addr);
-    if (rc == CUDA_SUCCESS && handle != NULL && ms_tracking())
-        ms_track_hold(MS_TRACK_HANDLE, *handle, 1, NULL, NULL);
+    int ok = rc == CUDA_SUCCESS && handle != NULL;
+    ms_track_retain_end(ok, ok ? *handle : 0, ms_uncharge);
     return rc;
 }
 MS_EXPORT_AS(cuMemRetainAllocationHandle)

@@ -1,4 +1,4 @@
-/* Allocation tracker (contract in track.h): (kind, key) -> (device, bytes, aux, holds).
+/* Allocation tracker (contract in track.h): (kind, key) -> (device, bytes, aux, references).
  *
  * 64 shards chosen by the top bits of a 64-bit mix of the key, each an open-addressing table
  * with linear probing and tombstones, guarded by its own small spinlock: threads that free
@@ -13,13 +13,13 @@
  * number at marking). A second free of the same key that starts meanwhile joins it (count + 1)
  * instead of finding nothing; each reports whether the driver freed; the last one out forgets
  * the entry if any of them freed it (and only that caller uncharges) or makes it live again if
- * none did. A FREEING entry is invisible to add/remove/hold: an allocation the driver hands
+ * none did. A FREEING entry is invisible to add/remove/ref: an allocation the driver hands
  * out at the same address meanwhile gets an entry of its own.
  *
  * Device pointers added with ms_track_add_ptr (every cuMemAlloc of the shim) live in one fixed
  * open-addressing table instead, where each operation is a single compare-and-swap on a slot's
  * state word and no lock is taken (end of the file). */
-#include "track.h"
+#include "track_impl.h"
 
 #include <sched.h>
 #include <stddef.h>
@@ -27,34 +27,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
-#define MS_SHARD_BITS 6
-#define MS_SHARDS (1 << MS_SHARD_BITS)
-#define MS_SHARD_MIN 64
-
-enum { MS_E_EMPTY = 0, MS_E_FULL = 1, MS_E_TOMB = 2, MS_E_FREEING = 3 };
-
-typedef struct ms_entry {
-    uint64_t key;
-    uint64_t bytes;
-    uint64_t aux;
-    int32_t dev;
-    int32_t holds;   /* references that keep the entry (see ms_track_hold) */
-    uint32_t ticket; /* FREEING: which marking this is */
-    uint16_t freers; /* FREEING: frees in flight */
-    uint8_t freed;   /* FREEING: one of them was done by the driver */
-    uint8_t state;
-    uint8_t kind;
-} ms_entry;
-
-typedef struct ms_shard {
-    int lock;
-    uint32_t cap; /* power of two, or 0 before the first add */
-    uint32_t live, tombs; /* live: FULL and FREEING entries */
-    uint32_t tickets;     /* the last ticket handed out */
-    ms_entry *e;
-} __attribute__((aligned(64))) ms_shard;
-
-static ms_shard ms_shards[MS_SHARDS];
+ms_shard ms_shards[MS_SHARDS];
 
 static inline void ms_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -64,7 +37,7 @@ static inline void ms_cpu_relax(void) {
 #endif
 }
 
-static void ms_spin_lock(int *l) {
+void ms_spin_lock(int *l) {
     for (unsigned n = 0;; n++) {
         if (__atomic_load_n(l, __ATOMIC_RELAXED) == 0 && !__atomic_exchange_n(l, 1, __ATOMIC_ACQUIRE)) return;
         if (n >= 64) sched_yield();
@@ -72,7 +45,7 @@ static void ms_spin_lock(int *l) {
     }
 }
 
-static void ms_spin_unlock(int *l) { __atomic_store_n(l, 0, __ATOMIC_RELEASE); }
+void ms_spin_unlock(int *l) { __atomic_store_n(l, 0, __ATOMIC_RELEASE); }
 
 static void ms_track_prefork(void) {
     for (int i = 0; i < MS_SHARDS; i++) ms_spin_lock(&ms_shards[i].lock);
@@ -86,7 +59,7 @@ __attribute__((constructor)) static void ms_track_init(void) {
     pthread_atfork(ms_track_prefork, ms_track_postfork, ms_track_postfork);
 }
 
-static uint64_t ms_mix(int kind, uint64_t key) {
+uint64_t ms_mix(int kind, uint64_t key) {
     uint64_t x = key ^ ((uint64_t)(kind + 1) * 0x9e3779b97f4a7c15ULL);
     x ^= x >> 30;
     x *= 0xbf58476d1ce4e5b9ULL;
@@ -96,7 +69,7 @@ static uint64_t ms_mix(int kind, uint64_t key) {
 }
 
 /* Slot of (kind, key) if present, else -1. */
-static int64_t ms_find(const ms_shard *s, int kind, uint64_t key, uint64_t h) {
+int64_t ms_find(const ms_shard *s, int kind, uint64_t key, uint64_t h) {
     if (s->cap == 0) return -1;
     uint32_t mask = s->cap - 1;
     for (uint32_t i = (uint32_t)h & mask, n = 0; n < s->cap; i = (i + 1) & mask, n++) {
@@ -123,7 +96,9 @@ static int64_t ms_find_freeing(const ms_shard *s, int kind, uint64_t key, uint64
     return best;
 }
 
-static int ms_in_use(const ms_entry *e) { return e->state == MS_E_FULL || e->state == MS_E_FREEING; }
+static int ms_in_use(const ms_entry *e) {
+    return e->state == MS_E_FULL || e->state == MS_E_FREEING || e->state == MS_E_DEAD;
+}
 
 static void ms_put(ms_entry *tab, uint32_t cap, const ms_entry *src, uint64_t h) {
     uint32_t mask = cap - 1, i = (uint32_t)h & mask;
@@ -155,6 +130,12 @@ int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t a
     int rc = 0;
     ms_spin_lock(&s->lock);
     int64_t at = ms_find(s, kind, key, h);
+    if (at >= 0 && (s->e[at].ops > 0 || s->e[at].zero)) {
+        /* a handle value the driver freed and hands out again while calls on the old one are
+         * still in flight (or its end waits on retains): the old entry is settled by those */
+        s->e[at].state = MS_E_DEAD;
+        at = -1;
+    }
     if (at >= 0) { /* the driver reused a live key: the newest allocation wins */
         s->e[at].dev = dev;
         s->e[at].bytes = bytes;
@@ -166,8 +147,9 @@ int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t a
         uint32_t mask = s->cap - 1, i = (uint32_t)h & mask;
         while (ms_in_use(&s->e[i])) i = (i + 1) & mask;
         if (s->e[i].state == MS_E_TOMB) s->tombs--;
-        s->e[i] = (ms_entry){.key = key, .bytes = bytes, .aux = aux, .dev = dev, .holds = 1, .state = MS_E_FULL,
-                             .kind = (uint8_t)kind};
+        if (++s->tickets == 0) s->tickets = 1; /* 0 means "any" to ms_find_freeing */
+        s->e[i] = (ms_entry){.key = key, .bytes = bytes, .aux = aux, .dev = dev, .holds = 1, .ticket = s->tickets,
+                             .state = MS_E_FULL, .kind = (uint8_t)kind};
         s->live++;
     }
     ms_spin_unlock(&s->lock);
@@ -177,8 +159,10 @@ int ms_track_add_aux(int kind, uint64_t key, int dev, uint64_t bytes, uint64_t a
 int ms_track_add(int kind, uint64_t key, int dev, uint64_t bytes) { return ms_track_add_aux(kind, key, dev, bytes, 0); }
 
 /* Under the shard lock: forget entry `at`, giving its values back. */
-static void ms_forget(ms_shard *s, int64_t at, int *dev, uint64_t *bytes, uint64_t *aux) {
+void ms_forget(ms_shard *s, int64_t at, int *dev, uint64_t *bytes, uint64_t *aux) {
     ms_entry *e = &s->e[at];
+    if (e->zero) __atomic_sub_fetch(&ms_refs_zeros, 1, __ATOMIC_SEQ_CST);
+    e->zero = 0;
     if (dev) *dev = e->dev;
     if (bytes) *bytes = e->bytes;
     if (aux) *aux = e->aux;
@@ -199,22 +183,6 @@ int ms_track_remove_aux(int kind, uint64_t key, int *dev, uint64_t *bytes, uint6
 
 int ms_track_remove(int kind, uint64_t key, int *dev, uint64_t *bytes) {
     return ms_track_remove_aux(kind, key, dev, bytes, NULL);
-}
-
-int ms_track_hold(int kind, uint64_t key, int delta, int *dev, uint64_t *bytes) {
-    uint64_t h = ms_mix(kind, key);
-    ms_shard *s = &ms_shards[h >> (64 - MS_SHARD_BITS)];
-    int rc = -1;
-    ms_spin_lock(&s->lock);
-    int64_t at = ms_find(s, kind, key, h);
-    if (at >= 0) {
-        long long holds = (long long)s->e[at].holds + delta;
-        s->e[at].holds = (int32_t)(holds > INT32_MAX ? INT32_MAX : holds < 0 ? 0 : holds);
-        rc = holds <= 0;
-        if (rc) ms_forget(s, at, dev, bytes, NULL);
-    }
-    ms_spin_unlock(&s->lock);
-    return rc;
 }
 
 static int ms_locked_free_begin(int kind, uint64_t key, uint32_t *ticket) {

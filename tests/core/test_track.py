@@ -17,7 +17,7 @@ from tests.core.conftest import HERE, VARIANTS, LineProc, driver_env
 keys = st.sampled_from([0, 1, 2, 0x7F0000000000, 0x7F0000000200, 1 << 63, (1 << 64) - 1]) | st.integers(0, 40)
 adds = st.tuples(st.just("a"), st.integers(0, 1), keys, st.integers(0, 63), st.integers(0, (1 << 64) - 1))
 removes = st.tuples(st.just("r"), st.integers(0, 1), keys)
-holds = st.tuples(st.just("h"), st.integers(0, 1), keys, st.integers(-3, 3))
+holds = st.tuples(st.just("h"), st.just(1), keys, st.integers(-3, 3))  # handles' references
 programs = st.lists(adds | removes | holds, max_size=200)
 
 
@@ -32,7 +32,7 @@ def trackers(core_bin: Path) -> Iterator[list[LineProc]]:
 
 def run_program(proc: LineProc, program: list[tuple[object, ...]]) -> None:
     model: dict[tuple[int, int], tuple[int, int]] = {}
-    held: dict[tuple[int, int], int] = {}  # an entry starts with one hold; forgotten at zero
+    held: dict[tuple[int, int], int] = {}  # a handle starts with one reference; forgotten at zero
     for op in program:
         if op[0] == "a":
             _, kind, key, dev, size = op
@@ -43,14 +43,14 @@ def run_program(proc: LineProc, program: list[tuple[object, ...]]) -> None:
             _, kind, key, delta = op
             k = (kind, key)
             if k not in model:
-                assert proc.ask(f"h {kind} {key} {delta}") == "unknown"
+                assert proc.ask(f"h {key} {delta}") == "unknown"
                 continue
             held[k] = max(0, held[k] + delta)  # type: ignore[index,operator]
             if held[k] == 0:
                 dev, size = model.pop(k)  # type: ignore[arg-type]
-                assert proc.ask(f"h {kind} {key} {delta}") == f"1 {dev} {size}"
+                assert proc.ask(f"h {key} {delta}") == f"1 {dev} {size}"
             else:
-                assert proc.ask(f"h {kind} {key} {delta}") == "held"
+                assert proc.ask(f"h {key} {delta}") == "held"
         else:
             _, kind, key = op
             want = model.pop((kind, key), None)  # type: ignore[arg-type]
@@ -232,7 +232,7 @@ def test_threads_racing_to_free_one_pointer_give_it_back_exactly_once(core_bin: 
 
 @pytest.fixture(scope="module")
 def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """track_test and csrc/track.c built with ThreadSanitizer (here, so the core Makefile stays as it is)."""
+    """track_test and csrc/track*.c built with ThreadSanitizer (here, so the core Makefile stays as it is)."""
     runtime = subprocess.run(["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True, check=False)
     if not Path(runtime.stdout.strip()).is_absolute():
         pytest.skip("the C compiler has no ThreadSanitizer runtime")
@@ -240,7 +240,7 @@ def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     csrc = HERE.parent.parent / "csrc"
     subprocess.run(
         ["cc", "-std=gnu11", "-D_GNU_SOURCE", "-g", "-O1", "-fsanitize=thread", "-pthread", f"-I{csrc}"]
-        + [str(HERE / "track_test.c"), str(csrc / "track.c"), "-o", str(exe)],
+        + [str(HERE / "track_test.c"), str(csrc / "track.c"), str(csrc / "track_refs.c"), "-o", str(exe)],
         check=True,
     )
     return exe

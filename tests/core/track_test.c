@@ -1,8 +1,9 @@
 /* Drives csrc/track.c from tests.
  *
- *   track_test ops        stdin lines "a KIND KEY DEV BYTES" / "r KIND KEY" / "h KIND KEY DELTA";
+ *   track_test ops        stdin lines "a KIND KEY DEV BYTES" / "r KIND KEY" / "h KEY DELTA" (a
+ *                         handle's references, ms_track_ref_begin/end, one call after another);
  *                         answers "ok"/"fail" for adds, "1 DEV BYTES" or "0" for removes and
- *                         for holds that reached zero, "held" or "unknown" for other holds
+ *                         for references that reached zero, "held" or "unknown" for other "h"
  *                         (Python keeps the model); "b KIND KEY" (ms_track_free_begin: "1 TICKET"
  *                         or "0"), "e KIND KEY TICKET FREED" (ms_track_free_end: "1 DEV BYTES"
  *                         or "0").
@@ -24,6 +25,23 @@
 
 #include "track.h"
 
+/* "h KEY DELTA": DELTA references added (cuMemMap) or dropped (cuMemRelease) one after the other
+ * through ms_track_ref_begin/end, each done by the driver (0: one call the driver refused). */
+static const char *refs(unsigned long long key, int delta) {
+    static char out[64];
+    for (int i = 0; i == 0 || i < abs(delta); i++) {
+        uint64_t ticket;
+        int d = -7;
+        uint64_t b = 7;
+        if (!ms_track_ref_begin(key, delta > 0, &ticket)) return "unknown";
+        if (ms_track_ref_end(key, ticket, delta > 0, delta != 0, &d, &b)) {
+            snprintf(out, sizeof out, "1 %d %llu", d, (unsigned long long)b);
+            return out;
+        }
+    }
+    return "held";
+}
+
 static int ops(void) {
     char line[256];
     int kind, dev;
@@ -38,14 +56,8 @@ static int ops(void) {
                 printf("1 %d %llu\n", d, (unsigned long long)b);
             else
                 printf("0\n");
-        } else if (sscanf(line, "h %d %llu %d", &kind, &key, &dev) == 3) {
-            int d = -7;
-            uint64_t b = 7;
-            int rc = ms_track_hold(kind, key, dev, &d, &b);
-            if (rc == 1)
-                printf("1 %d %llu\n", d, (unsigned long long)b);
-            else
-                printf("%s\n", rc == 0 ? "held" : "unknown");
+        } else if (sscanf(line, "h %llu %d", &key, &dev) == 2) {
+            printf("%s\n", refs(key, dev));
         } else if (sscanf(line, "p %llu %d %llu", &key, &dev, &bytes) == 3) {
             printf("%s\n", ms_track_add_ptr(key, dev, bytes) == 0 ? "ok" : "fail");
         } else if (sscanf(line, "b %d %llu", &kind, &key) == 2) {

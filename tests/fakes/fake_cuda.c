@@ -8,6 +8,8 @@
  *                      "16G". A malformed value makes cuInit fail with CUDA_ERROR_INVALID_VALUE
  *                      and one line on stderr. "" or "0" devices: cuInit -> CUDA_ERROR_NO_DEVICE.
  *   FAKE_CUDA_LOG=1    print each call to stderr.
+ *   FAKE_CUDA_VMM_YIELD=N  cuMemRelease/Map/Unmap/RetainAllocationHandle yield the CPU 0 to 2N times
+ *                      before acting (read at their first call), so that racing threads meet.
  *
  * Semantics kept from the real driver (so the shim is tested against them):
  *   - every call but cuDriverGetVersion, cuGetProcAddress(_v2), cuGetErrorString/Name and the
@@ -20,8 +22,10 @@
  *     CUDA_ERROR_OUT_OF_MEMORY (2); sizes are counted exactly as requested (pitch allocations:
  *     pitch * height, pitch = width rounded up to 512); 0 bytes -> CUDA_ERROR_INVALID_VALUE;
  *   - freeing an unknown pointer or handle -> CUDA_ERROR_INVALID_VALUE (1);
- *   - a cuMemCreate handle's memory lives while the handle is unreleased or mapped (cuMemMap,
- *     cuMemUnmap of whole mappings, cuMemRetainAllocationHandle take and give references);
+ *   - a cuMemCreate handle's memory lives while the handle has a reference (cuMemCreate and each
+ *     cuMemRetainAllocationHandle give one, each cuMemRelease takes one) or a mapping (cuMemMap,
+ *     cuMemUnmap of whole mappings); a handle with no reference left is refused by cuMemRelease
+ *     and cuMemMap (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_HANDLE);
  *   - the 2000-era v1 entry points keep their 32-bit ABI: cuMemAlloc/cuMemFree use 32-bit
  *     pointers (a separate low address range), cuMemGetInfo/cuDeviceTotalMem clamp to 2^32-1.
  * Pointers and handles are unique fake numbers, never backed by memory: do not dereference.

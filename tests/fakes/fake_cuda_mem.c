@@ -1,4 +1,5 @@
 /* Memory and streams of the fake libcuda.so.1 (contract: fake_cuda.c). */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,8 +17,9 @@ static CUresult stream_dev(CUstream s, int *dev) {
 
 /* ---- live allocations: chained hash keyed by pointer or handle ------------------------- */
 enum { K_PTR = 1, K_HANDLE = 2, K_MAP = 3 };
-/* K_HANDLE: holds = 1 while unreleased + its mappings (memory freed when it reaches 0).
- * K_MAP: key = mapped address, bytes = mapping size, ref = the handle mapped there. */
+/* K_HANDLE: holds = the handle's references (1 from cuMemCreate, + 1 per
+ * cuMemRetainAllocationHandle, - 1 per cuMemRelease), ref = its mappings; the memory is freed
+ * when both are 0. K_MAP: key = mapped address, bytes = mapping size, ref = the handle mapped there. */
 struct alloc { unsigned long long key, bytes, ref; int dev, kind, holds; struct alloc *next; };
 #define BUCKETS 4096
 static struct alloc *table[BUCKETS];
@@ -204,20 +206,48 @@ static void unlink_locked(struct alloc **pp) {
     a->next = spare;
     spare = a;
 }
-static void drop_handle_locked(unsigned long long h) {
-    struct alloc **pp = find_locked(h, K_HANDLE);
-    if (pp && --(*pp)->holds == 0) {
+/* Free a handle's memory if it has neither references nor mappings left. */
+static void settle_handle_locked(struct alloc **pp) {
+    if ((*pp)->holds == 0 && (*pp)->ref == 0) {
         used_mem[(*pp)->dev] -= (*pp)->bytes;
         unlink_locked(pp);
     }
 }
+/* FAKE_CUDA_VMM_YIELD=N: the VMM calls yield the CPU 0 to 2N times (N on average, varying from
+ * call to call) before they act, which widens the windows in which racing threads see one
+ * another and varies which of them acts first; then they call the program's
+ * fakecuda_vmm_probe() if it exports one, just before acting (tests/shim/vmmrace.c looks there
+ * for a charge given back while this driver still holds the memory). */
+extern void fakecuda_vmm_probe(void) __attribute__((weak, visibility("default")));
+static void vmm_yield(void) {
+    static int n = -1;
+    static __thread unsigned seed;
+    int v = __atomic_load_n(&n, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *e = getenv("FAKE_CUDA_VMM_YIELD");
+        v = e ? atoi(e) : 0;
+        v = v < 0 ? 0 : v > 1000 ? 1000 : v;
+        __atomic_store_n(&n, v, __ATOMIC_RELAXED);
+    }
+    if (seed == 0) seed = (unsigned)(uintptr_t)&seed | 1;
+    seed ^= seed << 13, seed ^= seed >> 17, seed ^= seed << 5;
+    for (unsigned i = 0, k = seed % (2u * (unsigned)v + 1); i < k; i++) sched_yield();
+    if (v > 0 && fakecuda_vmm_probe) fakecuda_vmm_probe();
+}
+/* A handle with no reference left (released, kept alive by a mapping) is not a valid handle:
+ * releasing or mapping it is refused, as the real driver refuses a released handle. */
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
     ENTER(cuMemRelease); NEED_INIT();
+    vmm_yield();
     pthread_mutex_lock(&lock);
     struct alloc **pp = find_locked(h, K_HANDLE);
-    if (pp) drop_handle_locked(h);
+    int ok = pp && (*pp)->holds > 0;
+    if (ok) {
+        (*pp)->holds--;
+        settle_handle_locked(pp);
+    }
     pthread_mutex_unlock(&lock);
-    return pp ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 /* Not in fake_cuda.h's counter list (FAKE_CUDA_FUNCS): these three are not counted. */
 EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
@@ -228,15 +258,16 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
                          unsigned long long flags) {
     NEED_INIT();
     if (!ptr || !size || offset || flags) return CUDA_ERROR_INVALID_VALUE;
+    vmm_yield();
     pthread_mutex_lock(&lock);
     struct alloc **hp = find_locked(h, K_HANDLE);
     struct alloc *m = spare;
-    CUresult r = !hp ? CUDA_ERROR_INVALID_HANDLE
+    CUresult r = !hp || (*hp)->holds == 0 ? CUDA_ERROR_INVALID_HANDLE
                : size > (*hp)->bytes || find_locked(ptr, K_MAP) ? CUDA_ERROR_INVALID_VALUE
                : !m && !(m = malloc(sizeof *m)) ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
     if (!r) {
         if (m == spare) spare = m->next;
-        (*hp)->holds++;
+        (*hp)->ref++;
         *m = (struct alloc){ptr, size, h, (*hp)->dev, K_MAP, 1, table[bucket(ptr)]};
         table[bucket(ptr)] = m;
     }
@@ -248,6 +279,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     NEED_INIT();
     unsigned long long end = ptr + size, at = ptr;
     if (!ptr || !size || end < ptr) return CUDA_ERROR_INVALID_VALUE;
+    vmm_yield();
     pthread_mutex_lock(&lock);
     for (struct alloc **pp; at < end && (pp = find_locked(at, K_MAP)) && (*pp)->bytes <= end - at;)
         at += (*pp)->bytes;
@@ -257,7 +289,9 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
         unsigned long long h = (*pp)->ref;
         at += (*pp)->bytes;
         unlink_locked(pp);
-        drop_handle_locked(h);
+        struct alloc **hp = find_locked(h, K_HANDLE);
+        (*hp)->ref--;
+        settle_handle_locked(hp);
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -266,6 +300,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr) {
     NEED_INIT();
     if (!h) return CUDA_ERROR_INVALID_VALUE;
+    vmm_yield();
     pthread_mutex_lock(&lock);
     struct alloc **mp = find_locked((unsigned long long)(uintptr_t)addr, K_MAP);
     struct alloc **hp = mp ? find_locked((*mp)->ref, K_HANDLE) : NULL;
