@@ -3,11 +3,16 @@
 # Works on a bare machine as root; a fresh virtual environment in .venv keeps the system clean.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, and what the
+# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with.
+export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for tool in cc make dpkg-deb apt-get; do command -v "$tool" >/dev/null 2>&1 || need+=("$tool"); done
+for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
+done
 if [ ${#need[@]} -gt 0 ]; then
-    echo "installing system packages for: ${need[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc make dpkg >/dev/null
+    echo "installing system packages: ${need[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
         image = tmp_path / "ext4.img"
         with open(image, "wb") as f:
             f.truncate(16 * M)
+        if shutil.which("mkfs.ext4") is None:
+            pytest.skip("no mkfs.ext4 here (scripts/test.sh installs e2fsprogs)")
         mkfs = subprocess.run(
             ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True, check=False
         )
