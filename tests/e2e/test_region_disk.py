@@ -5,8 +5,8 @@ cannot be created on a full disk is refused with one line. Real tmpfs, real proc
 from __future__ import annotations
 
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
