@@ -117,7 +117,8 @@ def test_killed_while_repairing_a_dead_slot(start, tmp_path: Path, step: str) ->
 # (first repairer's step, second's): a first killed with its give-back in flight leaves the
 # second something to resolve; one killed after resolving leaves it the rest of the repair.
 PAIRS = [("repair.resolved", "repair.freed"), ("repair.announced", "repair.resolved"),
-         ("repair.applied", "repair.resolved"), ("repair.folded", "repair.resolved"), ("repair.applied", "repair.freed")]
+         ("repair.applied", "repair.resolved"), ("repair.folded", "repair.resolved"),
+         ("repair.applied", "repair.freed")]
 
 
 @pytest.mark.parametrize(("first", "second"), PAIRS)
