@@ -1,8 +1,8 @@
-"""Concurrency of the region core. No process of a region waits on another (issues 7 and 8): a co-
-tenant stopped in the middle of a tight charge/uncharge loop, a survivor stopped in the middle
-of repairing a dead slot, and a file whose words someone else overwrote never block another
-process; and the core is clean under ThreadSanitizer with more threads than a process has lanes.
-Real processes and signals."""
+"""Concurrency of the region core. No process of a region waits on another (issues 7 and 8): a
+co-tenant stopped in the middle of a tight charge/uncharge loop, a survivor stopped in the
+middle of repairing a dead slot, and a file whose words someone else overwrote never block
+another process; and the core is clean under ThreadSanitizer with more threads than a process
+has lanes. Real processes and signals."""
 
 from __future__ import annotations
 
