@@ -86,8 +86,10 @@ typedef struct ms_snapshot {
 
 int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen);
 /* The same for a region the caller has opened and checked itself (a reader of files others can
- * swap: open the name once, check it, read that file); the descriptor stays the caller's. */
-int ms_region_snapshot_fd(int fd, ms_snapshot *out, char *err, size_t errlen);
+ * swap: open the name once, check it, read that file); the descriptors stay the caller's. `fd`
+ * may be a private copy of the file (a reader others can truncate the file under), `lock_fd`
+ * the file itself, on which liveness is tested; -1 tests it on `fd`. */
+int ms_region_snapshot_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
 /* The same with MS_OPEN_OWNED or 0 (as for ms_region_open_ex). */
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen);
 

@@ -355,7 +355,7 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
     return ms_region_snapshot_ex(path, 0, out, err, errlen);
 }
 
-static void ms_snapshot_of(int fd, ms_hdr *h, ms_snapshot *out);
+static void ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out);
 
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen) {
     char dummy[1];
@@ -368,11 +368,11 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
     int fd;
     ms_hdr *h;
     if (ms_map(path, 0, MS_MODE_UMASK, flags, &fd, &h, err, errlen) != 0) return -1;
-    ms_snapshot_of(fd, h, out);
+    ms_snapshot_of(fd, fd, h, out);
     return 0;
 }
 
-int ms_region_snapshot_fd(int fd, ms_snapshot *out, char *err, size_t errlen) {
+int ms_region_snapshot_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen) {
     char dummy[1], name[32];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
     err[0] = '\0';
@@ -384,12 +384,13 @@ int ms_region_snapshot_fd(int fd, ms_snapshot *out, char *err, size_t errlen) {
     if (own < 0) return ms_fail(err, errlen, -1, NULL, "region %s: %s", name, strerror(errno));
     ms_hdr *h;
     if (ms_map_fd(own, name, 0, 0, &h, err, errlen) != 0) return -1;
-    ms_snapshot_of(own, h, out);
+    ms_snapshot_of(own, lock_fd >= 0 ? lock_fd : own, h, out);
     return 0;
 }
 
-/* Fill `out` from the mapped region and release fd and mapping. */
-static void ms_snapshot_of(int fd, ms_hdr *h, ms_snapshot *out) {
+/* Fill `out` from the mapped region, testing liveness on `lock_fd` (the region file itself:
+ * `fd` may be a private copy of it, which holds no locks), and release fd and mapping. */
+static void ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out) {
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);
@@ -400,7 +401,7 @@ static void ms_snapshot_of(int fd, ms_hdr *h, ms_snapshot *out) {
         if ((st & 0xff) != MS_SLOT_CLAIMED) continue;
         ms_proc_usage *p = &out->procs[out->nprocs++];
         p->pid = h->slot[i].pid;
-        p->alive = ms_locked_by_other(fd, MS_SLOT_OFF(i));
+        p->alive = ms_locked_by_other(lock_fd, MS_SLOT_OFF(i));
         for (int d = 0; d < MS_MAX_DEVICES; d++) {
             uint64_t share = ms_slot_share(&h->slot[i], d);
             p->used[d] = share > out->used[d] ? out->used[d] : share; /* a racing give-back, read mid-way */

@@ -1,12 +1,13 @@
 /* mpsshim_usage: the region snapshot for tools (the Python reader, shim.usage()).
  * path NULL or "" means the path this process would use (MPSSHIM_REGION or the default, which,
  * as when the shim opens it, must be this UID's own file). mpsshim_usage_fd reads a region the
- * caller opened and checked (shim.usage(): a name in a pod's directory is opened once). */
+ * caller opened and checked (shim.usage(): a name in a pod's directory is opened once), or a
+ * private copy of it with liveness tested on the file itself (lock_fd). */
 #include "hooks.h"
 #include "state.h"
 
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
-MS_EXPORT int mpsshim_usage_fd(int fd, ms_snapshot *out, char *err, size_t errlen);
+MS_EXPORT int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
 
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen)
 {
@@ -19,7 +20,7 @@ MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_
     return ms_region_snapshot_ex(path, flags, out, err, errlen);
 }
 
-MS_EXPORT int mpsshim_usage_fd(int fd, ms_snapshot *out, char *err, size_t errlen)
+MS_EXPORT int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen)
 {
-    return ms_region_snapshot_fd(fd, out, err, errlen);
+    return ms_region_snapshot_fd(fd, lock_fd, out, err, errlen);
 }

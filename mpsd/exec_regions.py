@@ -7,9 +7,9 @@ Kubernetes that is the only place mpsd can see what each client holds against it
 deep, through the shim's reader; the device plugin's regions are reported per allocation
 instead (mpsd.plugin.usage).
 
-The files are written by the clients: only regular files reached without a symlink are read,
-at most MAX_REGIONS of them per round, and a region that cannot be read is skipped with one
-warning.
+The files are written by the clients: only regular files reached without a symlink are read
+(a private copy of each, never a mapping), at most MAX_REGIONS of them per round, and a region
+that cannot be read is skipped with one warning.
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ class ExecRegions:
         rows: list[RegionUsage] = []
         for name, path in found:
             try:
-                rows.extend(rows_for(name, shim.usage(path, library=self._path)))
+                # a copy: a client truncating its region while a mapping of it is read would
+                # kill mpsd with SIGBUS
+                rows.extend(rows_for(name, shim.usage(path, library=self._path, copy=True)))
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign region must not stop the others
                 if path not in self._warned:
                     self._warned.add(path)

@@ -42,7 +42,7 @@ typedef struct ms_snapshot {{
 }} ms_snapshot;
 
 int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
-int mpsshim_usage_fd(int fd, ms_snapshot *out, char *err, size_t errlen);
+int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
 """
 
 
@@ -120,21 +120,17 @@ def open_region(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def private_copy(fd: int, name: str) -> int:
-    """A memfd holding the bytes of the checked file ``fd`` (an O_PATH descriptor), read with
-    pread: a writer that truncates the file meanwhile shortens the copy (refused later for
-    its size), where it would have killed a reader of a shared mapping with SIGBUS."""
-    src = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        chunks, total = [], 0
-        while total <= MAX_REGION_BYTES:
-            chunk = os.pread(src, 1 << 20, total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(src)
+def private_copy(src: int, name: str) -> int:
+    """A memfd holding the bytes of the checked file ``src``, read with pread: a writer that
+    truncates the file meanwhile shortens the copy (refused later for its size), where it
+    would have killed a reader of a shared mapping with SIGBUS."""
+    chunks, total = [], 0
+    while total <= MAX_REGION_BYTES:
+        chunk = os.pread(src, 1 << 20, total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
     if total > MAX_REGION_BYTES:
         raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read")
     copy = os.memfd_create("mpsshim-region-copy", os.MFD_CLOEXEC)
@@ -158,27 +154,29 @@ def usage(
     again through /proc/self/fd, handed over as a descriptor), so a name swapped after the check
     (a FIFO, a symlink) is never opened.
     ``copy``: read a private copy instead of mapping the file, for a long-lived reader of files
-    others can truncate (the device plugin, inside mpsd): no SIGBUS, but whether a process is
-    alive cannot be told from a copy (every process is reported not alive)."""
+    others can truncate (mpsd itself: the device plugin, the exec regions' metrics): no SIGBUS;
+    whether a process is alive is still tested on the file itself."""
     path = Path(region_path)
     lib_path = str(library) if library is not None else str(library_path())
     ffi, lib = _load(lib_path)
     snap = ffi.new("ms_snapshot *")
     err = ffi.new("char[]", ERR_LEN)
     held = open_region(path)
-    try:
-        if copy:
-            fd = private_copy(held, repr(str(path)))
-        else:  # the checked regular file itself: opening it cannot block or run a driver
-            fd = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # the checked regular file itself: opening it cannot block or run a driver
+        live = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     finally:
         os.close(held)
     try:
-        if lib.mpsshim_usage_fd(fd, snap, err, ERR_LEN) != 0:
-            reason = ffi.string(err).decode(errors="replace").replace(f"/proc/self/fd/{fd}", str(path))
-            raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}")
+        fd = private_copy(live, repr(str(path))) if copy else live
+        try:
+            if lib.mpsshim_usage_fd(fd, live, snap, err, ERR_LEN) != 0:
+                reason = ffi.string(err).decode(errors="replace").replace(f"/proc/self/fd/{fd}", str(path))
+                raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}")
+        finally:
+            if fd != live:
+                os.close(fd)
     finally:
-        os.close(fd)
+        os.close(live)
     nprocs = min(int(snap.nprocs), MAX_PROCS)
     procs = [RawProcess(int(p.pid), bool(p.alive), list(p.used)) for p in (snap.procs[i] for i in range(nprocs))]
     devices = devices_from_snapshot(list(snap.cap), list(snap.used), procs)

@@ -144,3 +144,50 @@ def test_the_observer_exports_how_many_servers_are_in_fault():
         assert "mpsd_mps_servers_faulted 0.0" in scrape(metrics)
     finally:
         pump.close()
+
+
+READER = """
+import sys, time
+from mpsd.exec_regions import ExecRegions
+root, lib = sys.argv[1], sys.argv[2]
+regions = ExecRegions(root, lambda: lib)
+deadline = time.monotonic() + 8
+reads = 0
+while time.monotonic() < deadline:
+    regions()
+    reads += 1
+print(reads)
+"""
+
+FLIPPER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size = os.fstat(fd).st_size
+print("flipping", flush=True)
+while True:
+    os.ftruncate(fd, 4096)
+    os.ftruncate(fd, size)
+"""
+
+
+def test_a_client_truncating_its_region_cannot_kill_mpsd_run(holder_exe, shim_lib, tmp_path):
+    # the reader is mpsd run's inventory pump: a SIGBUS there would take the control daemon and
+    # every MPS client of the node with it; the region files are the clients'
+    import sys
+
+    from tests.conftest import REPO
+
+    region = tmp_path / "exec" / "job" / "region"
+    region.parent.mkdir(parents=True)
+    holder = hold(holder_exe, region, f"0:{8 * G}:{G}")
+    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, str(region)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert flipper.stdout.readline().strip() == "flipping"
+        reader = subprocess.run([sys.executable, "-c", READER, str(tmp_path / "exec"), str(shim_lib)],
+                                capture_output=True, text=True, timeout=120, cwd=str(REPO))  # fmt: skip
+        assert reader.returncode == 0, f"reader died: rc={reader.returncode} {reader.stderr[-500:]}"
+        assert int(reader.stdout) > 100, reader.stdout
+    finally:
+        for p in (flipper, holder):
+            p.kill()
+            p.wait()

@@ -130,7 +130,7 @@ def test_cli_usage_of_a_fifo_is_one_line_and_exit_1(shim_lib, tmp_path, run_clie
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and "not a regular file" in proc.stderr
 
 
-def test_usage_of_a_private_copy_has_the_same_figures_and_no_liveness(holder_exe, shim_lib, tmp_path):
+def test_usage_of_a_private_copy_has_the_same_figures_and_liveness(holder_exe, shim_lib, tmp_path):
     region = tmp_path / "region"
     a = hold(holder_exe, region, f"0:{4 * G}:{G}")
     try:
@@ -138,7 +138,12 @@ def test_usage_of_a_private_copy_has_the_same_figures_and_no_liveness(holder_exe
         copied = shim.usage(region, library=shim_lib, copy=True)
         assert [(d.device, d.cap, d.used) for d in copied] == [(d.device, d.cap, d.used) for d in mapped]
         assert [(p.pid, p.alive) for p in mapped[0].processes] == [(a.pid, True)]
-        assert [(p.pid, p.alive) for p in copied[0].processes] == [(a.pid, False)]  # a copy holds no locks
+        assert [(p.pid, p.alive) for p in copied[0].processes] == [(a.pid, True)]  # tested on the file
+        a.kill()
+        a.wait()
+        assert [(p.pid, p.alive) for p in shim.usage(region, library=shim_lib, copy=True)[0].processes] == [
+            (a.pid, False)
+        ]
     finally:
         a.kill()
         a.wait()
