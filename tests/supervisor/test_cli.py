@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.procs import control_daemon, control_daemons
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -86,7 +88,7 @@ def test_run_serves_probes_and_sigterm_exits_0_leaving_no_daemon(mps_control, mp
         code, text = get(f"http://127.0.0.1:{port}/metrics")
         assert code == 200 and "mpsd_daemon_up 1.0" in text
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert any(c.name().startswith("nvidia-cuda-mps") for c in children)
+        assert control_daemons(proc.pid), children
         status = mpsd("status", "--json", *flags(mps_control, mps_dirs))
         assert status.returncode == 0, status.stderr
         data = json.loads(status.stdout)
@@ -113,7 +115,9 @@ def test_sigkill_of_mpsd_takes_the_daemon_with_it(mps_control, mps_dirs):
         while mpsd("status", *args).returncode != 0:
             assert proc.poll() is None and time.monotonic() < deadline, "never up"
             time.sleep(0.1)
-        daemon = next(c for c in psutil.Process(proc.pid).children() if c.name().startswith("nvidia-cuda-mps"))
+        while (daemon := control_daemon(proc.pid)) is None:
+            assert time.monotonic() < deadline, "no control daemon under mpsd run"
+            time.sleep(0.05)
         proc.kill()
         proc.wait(30)
         psutil.wait_procs([daemon], timeout=30)

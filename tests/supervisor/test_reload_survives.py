@@ -14,12 +14,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from mpsd import cli
 from mpsd import config as cfg
 from mpsd.errors import ConfigError
+from tests import procs
 from tests.supervisor.test_cli import flags, mpsd
 from tests.supervisor.test_config_file import BAD_FILES
 
@@ -68,15 +68,7 @@ def wait_until(predicate, proc: subprocess.Popen, out: Output, what: str, timeou
 
 
 def control_daemons(pid: int) -> list[int]:
-    """The ``nvidia-cuda-mps-control -f`` children (not the front-ends of health checks)."""
-    found = []
-    for child in psutil.Process(pid).children():
-        try:
-            if child.name().startswith("nvidia-cuda-mps") and child.cmdline()[-1:] == ["-f"]:
-                found.append(child.pid)
-        except psutil.NoSuchProcess:  # a front-end that just ended
-            pass
-    return found
+    return [d.pid for d in procs.control_daemons(pid)]
 
 
 def make_bad(path: Path, case: str) -> None:

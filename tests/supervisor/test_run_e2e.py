@@ -19,11 +19,11 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 
 from mpsd.plugin import api_pb2, api_pb2_grpc
 from tests.fakes.nvml_build import build_fake_nvml, nvml_config_text
+from tests.procs import control_daemon
 
 pytestmark = pytest.mark.mps_binary
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ class Kubelet(api_pb2_grpc.RegistrationServicer):
         self.server.add_insecure_port("unix://" + path)
         self.server.start()
 
-    def Register(self, request, context):  # noqa: N802 (gRPC naming)
+    def Register(self, request, context):
         self.requests.append(request)
         self.registered.set()
         return api_pb2.Empty()
@@ -144,7 +144,8 @@ def test_run_with_plugin_metrics_and_recovery(mps_control, short_dir, tmp_path_f
         first = next(stream)
         assert len(first.devices) == 4 and {d.health for d in first.devices} == {"Healthy"}
 
-        daemon = next(c for c in psutil.Process(proc.pid).children() if c.name().startswith("nvidia-cuda-mps"))
+        daemon = control_daemon(proc.pid)
+        assert daemon is not None, "no control daemon under mpsd run"
         os.kill(daemon.pid, signal.SIGKILL)
         seen = []
         for update in stream:

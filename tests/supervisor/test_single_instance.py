@@ -15,6 +15,7 @@ import pytest
 
 from mpsd.control import Control
 from mpsd.errors import MpsdError
+from tests.procs import control_daemons
 
 pytestmark = pytest.mark.mps_binary
 REPO = Path(__file__).resolve().parents[2]
@@ -54,13 +55,7 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 def daemons_of(proc: subprocess.Popen[str]) -> list[int]:
-    import psutil
-
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    return [c.pid for c in children if c.name().startswith("nvidia-cuda-mps")]
+    return [d.pid for d in control_daemons(proc.pid)]
 
 
 def serves(control: Control) -> bool:
@@ -102,11 +97,10 @@ def test_a_second_run_refused_while_the_first_restarts_its_daemon(mps_control, m
     try:
         control = Control(str(mps_control), str(pipe), timeout=20)
         deadline = time.monotonic() + 60
-        while not daemons_of(first):
+        while not (daemons := daemons_of(first)) or not serves(control):
             assert time.monotonic() < deadline and first.poll() is None, "no daemon"
             time.sleep(0.05)
-        daemon = daemons_of(first)[0]
-        control.get_server_list()
+        daemon = daemons[0]
         second = mpsd_run(mps_control, pipe, logs)
         os.kill(daemon, signal.SIGKILL)  # the first mpsd restarts it; the second must not
         try:
