@@ -118,7 +118,7 @@ def parse_mem_limit(output: str) -> int | None:
     lines = _lines(output)
     if not lines:
         return None
-    m = re.fullmatch(r"([0-9]+)([MG])", lines[-1])
+    m = re.fullmatch(r"([0-9]{1,20})([MG])", lines[-1])  # bounded: int() of 4301 digits raises
     if m is None:
         raise UnexpectedOutput(f"unexpected pinned memory limit {output!r}: expected <n>M or <n>G")
     return int(m.group(1)) * UNITS[m.group(2)]

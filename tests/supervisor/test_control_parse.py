@@ -76,7 +76,7 @@ def test_parse_mem_limit(output, value):
     assert parse_mem_limit(output) == value
 
 
-@pytest.mark.parametrize("output", ["2T\n", "2 G", "lots"])
+@pytest.mark.parametrize("output", ["2T\n", "2 G", "lots", "9" * 5000 + "G\n"])  # int() of it raised ValueError
 def test_parse_mem_limit_rejects(output):
     with pytest.raises(ControlError):
         parse_mem_limit(output)
