@@ -95,6 +95,10 @@ def reloader(args: argparse.Namespace, env: Mapping[str, str]) -> Callable[[], c
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = build_parser().parse_args(argv)
+    if args.command == "run":  # a SIGHUP from now on is a reload, even before the loop runs
+        from .supervisor import hold_reloads
+
+        hold_reloads()
     try:
         if args.command == "check-config":
             return _check_config(args, env)

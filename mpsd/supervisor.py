@@ -34,6 +34,17 @@ from .units import format_limits
 
 log = logging.getLogger(__name__)
 
+# SIGHUPs that came between hold_reloads() and install_signal_handlers(): NVML's init alone can
+# take seconds on a node, and SIGHUP's default action would have killed mpsd (a `systemctl reload`
+# right after a start). Appending to a list is safe in a Python signal handler.
+_early_reloads: list[int] = []
+
+
+def hold_reloads() -> None:
+    """From now on a SIGHUP is remembered, not fatal; install_signal_handlers() acts on it.
+    Call it first thing in ``mpsd run`` (main thread only)."""
+    signal.signal(signal.SIGHUP, lambda signum, _frame: _early_reloads.append(signum))
+
 LIVE_KEYS = frozenset(
     {
         "activeThreadPercentage",
@@ -120,6 +131,10 @@ class Supervisor:
         signal.signal(signal.SIGTERM, lambda *_: self._events.put(("stop",)))
         signal.signal(signal.SIGINT, lambda *_: self._events.put(("stop",)))
         signal.signal(signal.SIGHUP, lambda *_: self._events.put(("reload",)))
+        if _early_reloads:  # one reload stands for any number asked before now
+            _early_reloads.clear()
+            log.info("SIGHUP received while starting: reloading once started")
+            self._events.put(("reload",))
 
     def control(self, timeout: float | None = None) -> Control:
         c = self.config

@@ -25,6 +25,7 @@ from tests.supervisor.test_config_file import BAD_FILES
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = "version: v1\nactiveThreadPercentage: 70\n"
+UUID = "GPU-00000000-1111-2222-3333-444444444444"
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+ ")
 BAD_IN_E2E = [
     "latin1-comment",
@@ -193,3 +194,55 @@ def test_an_unexpected_reload_error_keeps_the_supervisor_and_daemon(make_config,
         assert time.monotonic() < deadline, "the good config was not reloaded"
         time.sleep(0.05)
     assert r.sup.status().pid == pid
+
+
+@pytest.mark.mps_binary
+def test_a_sighup_while_mpsd_starts_is_a_reload_not_its_death(mps_control, mps_dirs, tmp_path):
+    """SIGHUP's default action is to terminate: one sent while ``mpsd run`` was still starting
+    (here: stopped inside NVML's init, which reads the fake's config from a FIFO until the test
+    writes it) killed mpsd before its handlers were installed. Now it is remembered and acted on."""
+    from tests.fakes.nvml_build import build_fake_nvml, nvml_config_text
+
+    nvml = build_fake_nvml(tmp_path / "nvml")
+    fifo = tmp_path / "nvml.conf"
+    os.mkfifo(fifo)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(GOOD)
+    args = flags(mps_control, mps_dirs, **{"nvml-library": str(nvml), "log-level": "info"})
+    env = dict(os.environ, FAKE_NVML_CONFIG=str(fifo))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsd", "run", "--config", str(config), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    out = Output(proc)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a writer can open the FIFO once mpsd, inside nvmlInit, opened it to read
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "\n".join(out.lines)
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGHUP)
+        os.set_blocking(fd, True)
+        try:  # the signal may end the fake's read early (EINTR): it then sees no GPU, and goes on
+            with os.fdopen(fd, "w") as w:
+                w.write(nvml_config_text([(UUID, 1 << 34, 0, (9, 0), False, "Fake")]))
+        except BrokenPipeError:
+            pass
+        wait_until(lambda: out.count("reloaded applied=") == 1, proc, out, "the reload asked for while starting")
+        assert out.count("SIGHUP received while starting") == 1
+        assert len(control_daemons(proc.pid)) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "\n".join(out.lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.join()
