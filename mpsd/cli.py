@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Callable, Mapping, Sequence
 
 from . import config as cfg
@@ -75,19 +76,47 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> cfg.Config:
     return cfg.load(path, env, overrides)
 
 
-def reloader(args: argparse.Namespace, env: Mapping[str, str]) -> Callable[[], cfg.Config]:
+RELOAD_TIMEOUT_S = 10.0
+
+
+def reloader(
+    args: argparse.Namespace, env: Mapping[str, str], timeout: float = RELOAD_TIMEOUT_S
+) -> Callable[[], cfg.Config]:
     """What SIGHUP runs: the config again from the same file, environment and flags. It fails
     only with a one-line ConfigError, which the supervisor logs while it keeps the running
     config and daemon: an unexpected error escaping here would end ``mpsd run`` and take the
-    control daemon, and every MPS client of the node, down with it."""
+    control daemon, and every MPS client of the node, down with it. The read runs in a thread
+    and is waited for at most TIMEOUT seconds: a config on a hung network mount must not stop
+    the supervisor loop (health checks, restarts). While such a read is still stuck, a new
+    reload is refused at once rather than piling up threads."""
+    source = args.config or env.get("MPSD_CONFIG") or "the config"
+    stuck: list[threading.Thread] = []
+
+    def read(result: list) -> None:
+        try:
+            result.append(resolve(args, env))
+        except ConfigError as exc:
+            result.append(ConfigError(one_line(exc)))
+        except BaseException as exc:  # a bug on some input: still not a reason to stop serving
+            result.append(ConfigError(f"unexpected {type(exc).__name__}: {one_line(exc)[:200]}"))
 
     def reload() -> cfg.Config:
-        try:
-            return resolve(args, env)
-        except ConfigError as exc:
-            raise ConfigError(one_line(exc)) from exc
-        except Exception as exc:  # a bug on some input: still not a reason to stop serving
-            raise ConfigError(f"unexpected {type(exc).__name__}: {one_line(exc)[:200]}") from exc
+        if stuck and stuck[0].is_alive():
+            raise ConfigError(f"{source}: an earlier reload is still reading it; try again later")
+        stuck.clear()
+        result: list = []
+        thread = threading.Thread(target=read, args=(result,), name="mpsd-reload", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            stuck.append(thread)
+            raise ConfigError(
+                f"{source}: not read within {timeout:g}s (a hung filesystem?); "
+                "the running config stays"
+            )
+        if isinstance(result[0], ConfigError):
+            raise result[0]
+        return result[0]
 
     return reload
 

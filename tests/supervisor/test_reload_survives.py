@@ -246,3 +246,36 @@ def test_a_sighup_while_mpsd_starts_is_a_reload_not_its_death(mps_control, mps_d
             proc.kill()
             proc.wait()
         out.join()
+
+
+def test_a_reload_stuck_reading_the_file_gives_up_in_bounded_time(monkeypatch, tmp_path):
+    """A config on a hung mount blocks open() for ever; the supervisor loop that called the
+    reloader must get a one-line error back in bounded time, and later reloads work again
+    once the read returns."""
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(GOOD)
+    args = cli.build_parser().parse_args(["run", "--config", str(config)])
+    reload = cli.reloader(args, {}, timeout=0.5)
+    release = threading.Event()
+    real_load = cfg.load
+
+    def hung(*a, **kw):
+        release.wait(60)
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(cfg, "load", hung)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(config))}: not read within 0.5s \(a hung filesystem\?\)"):
+        reload()
+    assert time.monotonic() - started < 5
+    with pytest.raises(ConfigError, match="an earlier reload is still reading it"):
+        reload()  # at once: no second thread stuck behind the first
+    release.set()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert reload().active_thread_percentage == 70.0
+            break
+        except ConfigError as exc:
+            assert "still reading" in str(exc) and time.monotonic() < deadline
+            time.sleep(0.05)
