@@ -185,10 +185,26 @@ static int repl(void) {
             int fd = open(a, O_RDONLY | O_CLOEXEC);
             printf("%s\n", fd >= 0 && close(fd) == 0 ? "ok" : "err");
         } else if (strcmp(line, "forksleep") == 0) {
+            /* The pid is printed once the child is past fork(), i.e. its atfork handler has
+             * dropped the inherited descriptor: before that the child still held the parent's
+             * liveness lock, and a test killing the parent at once raced with it. */
+            int ready[2];
+            char byte = 0;
+            if (pipe(ready) != 0) {
+                printf("err pipe\n");
+                fflush(stdout);
+                continue;
+            }
             pid_t pid = fork();
             if (pid == 0) {
+                close(ready[0]);
+                if (write(ready[1], "r", 1) != 1) _exit(1);
+                close(ready[1]);
                 for (;;) pause();
             }
+            close(ready[1]);
+            if (pid < 0 || read(ready[0], &byte, 1) != 1) pid = -1;
+            close(ready[0]);
             printf("%d\n", (int)pid);
         } else if (strcmp(line, "pid") == 0) {
             printf("%d\n", (int)getpid());
