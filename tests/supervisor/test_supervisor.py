@@ -153,14 +153,16 @@ def test_reload_removes_defaults_the_new_config_drops(make_config, run_superviso
 def test_a_front_end_held_open_is_not_a_dead_daemon(make_config, run_supervisor, mps_control):
     # The daemon serves one front-end at a time; an operator's interactive session must not
     # get it (and every client) killed.
-    config = make_config(**{"health-timeout": "1s", "active-thread-percentage": "60"})
+    # healthTimeout 3 s (the default): with 1 s, a front-end that took over a second to run on a
+    # loaded 2-core machine was a hung daemon, and the test saw a restart
+    config = make_config(**{"health-timeout": "3s", "active-thread-percentage": "60"})
     r = run_supervisor(config)
     r.wait_for(lambda s: s.configured)
     pid = r.sup.status().pid
     holder = FrontEndHolder(str(mps_control), config.pipe_dir)
     try:
         wait_until(lambda: "another front-end holds" in r.sup.status().last_error, what="busy noticed")
-        time.sleep(1.5)  # more health checks while it is held
+        time.sleep(3.5)  # at least one more health check while it is held
         assert r.sup.status().pid == pid and r.sup.status().restarts == 0 and r.board.current().configured
     finally:
         holder.release()
@@ -170,8 +172,8 @@ def test_a_front_end_held_open_is_not_a_dead_daemon(make_config, run_supervisor,
 
 
 def test_reload_while_the_daemon_is_held_applies_at_a_later_health_check(make_config, run_supervisor, mps_control):
-    config = make_config(**{"health-timeout": "1s", "active-thread-percentage": "60"})
-    new = make_config(**{"health-timeout": "1s", "active-thread-percentage": "20"})
+    config = make_config(**{"health-timeout": "3s", "active-thread-percentage": "60"})
+    new = make_config(**{"health-timeout": "3s", "active-thread-percentage": "20"})
     r = run_supervisor(config, reload=lambda: new)
     r.wait_for(lambda s: s.configured)
     pid = r.sup.status().pid
