@@ -34,6 +34,8 @@ from .units import format_limits
 
 log = logging.getLogger(__name__)
 
+HUNG_AFTER = 2  # health checks in a row with no answer within healthTimeout before a daemon is killed
+
 # SIGHUPs that came between hold_reloads() and install_signal_handlers(): NVML's init alone can
 # take seconds on a node, and SIGHUP's default action would have killed mpsd (a `systemctl reload`
 # right after a start). Appending to a list is safe in a Python signal handler.
@@ -107,6 +109,7 @@ class Supervisor:
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
         self._applied = config  # the config whose defaults the running daemon has
+        self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
         self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
         self._faults = FaultHandler(grace=config.health_timeout)
         self._compute = ComputeMode(
@@ -284,9 +287,18 @@ class Supervisor:
             servers = control.get_server_list()
             states = self._faults.server_states(control, servers)
         except ControlTimeout as exc:
-            self._retire(daemon, f"daemon pid={daemon.pid} hung: {exc}")
+            silent = self._silent_checks[1] + 1 if self._silent_checks[0] == daemon.pid else 1
+            self._silent_checks = (daemon.pid, silent)
+            if silent >= HUNG_AFTER:
+                self._retire(daemon, f"daemon pid={daemon.pid} hung: {exc} ({silent} health checks in a row)")
+                return
+            # One slow answer can be a loaded node; killing the daemon kills every client with it.
+            log.warning("health check of daemon pid=%d got no answer, checking again at once: %s", daemon.pid, exc)
+            self._publish(last_error=f"{exc} (check {silent} of {HUNG_AFTER} before it is killed as hung)")
+            self._next_at = time.monotonic()
             return
         except ControlBusy as exc:  # it refused us, so it runs: no reason to kill it and its clients
+            self._silent_checks = (daemon.pid, 0)
             log.warning("health check of daemon pid=%d inconclusive: %s", daemon.pid, exc)
             self._publish(last_error=str(exc))
             self._next_at = time.monotonic() + self.config.health_interval
@@ -294,6 +306,7 @@ class Supervisor:
         except ControlError as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {exc}")
             return
+        self._silent_checks = (daemon.pid, 0)
         latency = time.monotonic() - began
         pending = self._apply_reloaded_defaults() if self._defaults_stale else ""
         if pending is None:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mpsd.control import Control, parse_server_status
-from mpsd.errors import ConfigError
+from mpsd.errors import ConfigError, ControlTimeout
 from tests.supervisor.conftest import FrontEndHolder
 
 pytestmark = pytest.mark.mps_binary
@@ -82,6 +82,44 @@ def test_sigstop_is_detected_as_hung_killed_and_restarted(make_config, run_super
     r.wait_for(lambda s: r.sup.status().pid not in (None, hung) and s.configured, timeout=60, what="restart after hang")
     wait_until(lambda: gone(hung), what="hung daemon killed")
     reads_back(config, 55.0, {})
+
+
+class SlowAnswers:
+    """The real front-end, except that the health check's first command times out on the
+    checks whose number (from 1) is in ``silent``: a loaded node, not a hung daemon."""
+
+    def __init__(self, real: Control, silent: set[int], counter: list[int]) -> None:
+        self.real, self.silent, self.counter = real, silent, counter
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def get_default_active_thread_percentage(self):
+        self.counter[0] += 1
+        if self.counter[0] in self.silent:
+            raise ControlTimeout("'get_default_active_thread_percentage': no answer from the MPS control daemon in 2s")
+        return self.real.get_default_active_thread_percentage()
+
+
+@pytest.mark.parametrize("silent", [{1}, {1, 3, 5}])
+def test_one_unanswered_health_check_at_a_time_keeps_the_daemon(make_config, run_supervisor, monkeypatch, silent):
+    r = run_supervisor(make_config())
+    r.wait_for(lambda s: s.configured)
+    pid, real, counter = r.sup.status().pid, r.sup.control, [0]
+    monkeypatch.setattr(r.sup, "control", lambda timeout=None: SlowAnswers(real(timeout), silent, counter))
+    wait_until(lambda: counter[0] >= max(silent) + 2, what="health checks past the silent ones")
+    assert r.sup.status().pid == pid and r.sup.status().restarts == 0 and r.board.current().configured
+
+
+def test_two_unanswered_health_checks_in_a_row_kill_the_daemon(make_config, run_supervisor, monkeypatch):
+    r = run_supervisor(make_config())
+    r.wait_for(lambda s: s.configured)
+    pid, real, counter = r.sup.status().pid, r.sup.control, [0]
+    monkeypatch.setattr(r.sup, "control", lambda timeout=None: SlowAnswers(real(timeout), {2, 3}, counter))
+    state = r.wait_for(lambda s: not s.configured, what="hang noticed")
+    assert "hung" in state.last_error and "2 health checks in a row" in state.last_error
+    r.wait_for(lambda s: r.sup.status().pid not in (None, pid) and s.configured, timeout=60, what="restart")
+    assert counter[0] >= 4
 
 
 def test_crash_loop_backs_off(make_config, run_supervisor, tmp_path):
