@@ -104,7 +104,7 @@ def test_many_list_and_watch_streams_do_not_starve_allocate(started):
     _, s = stub(plugin)
     t0 = time.monotonic()
     reply = allocate(s, [f"{g[0].uuid}::0"])  # timeout=10 inside
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0  # starved, it waited out its 10 s deadline
     assert reply.container_responses[0].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
     for call in calls:
         call.cancel()

@@ -52,7 +52,7 @@ def test_status_updates_do_not_wait_for_a_blocked_nvml():
         began = time.monotonic()
         for restarts in range(5):
             observe(Status(state="running", restarts=restarts))
-        assert time.monotonic() - began < 2.0  # NVML is still blocked
+        assert time.monotonic() - began < 5.0  # NVML is still blocked (until released below)
         assert b"mpsd_daemon_restarts_total 4.0" in metrics.scrape()
         assert b"mpsd_gpu_memory_total_bytes{" not in metrics.scrape()
         nvml.release.set()
