@@ -60,6 +60,20 @@ class Output:
         self._thread.join(30)
 
 
+def start_run(config: Path, args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Output]:
+    """``mpsd run --config CONFIG ARGS``, its merged output read in a thread."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsd", "run", "--config", str(config), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    return proc, Output(proc)
+
+
 def wait_until(predicate, proc: subprocess.Popen, out: Output, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -98,15 +112,7 @@ def test_a_failed_reload_keeps_mpsd_the_daemon_and_the_running_config(mps_contro
     config = tmp_path / "mpsd.yaml"
     config.write_text(GOOD)
     args = flags(mps_control, mps_dirs)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mpsd", "run", "--config", str(config), *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
-    out = Output(proc)
+    proc, out = start_run(config, args)
 
     def atp():
         result = mpsd("status", "--json", *args)
@@ -210,16 +216,7 @@ def test_a_sighup_while_mpsd_starts_is_a_reload_not_its_death(mps_control, mps_d
     config.write_text(GOOD)
     args = flags(mps_control, mps_dirs, **{"nvml-library": str(nvml), "log-level": "info"})
     env = dict(os.environ, FAKE_NVML_CONFIG=str(fifo))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mpsd", "run", "--config", str(config), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
-    out = Output(proc)
+    proc, out = start_run(config, args, env)
     try:
         deadline = time.monotonic() + 60
         while True:  # a writer can open the FIFO once mpsd, inside nvmlInit, opened it to read
