@@ -2,6 +2,7 @@
 
 - `fake_cuda_dir`: a directory holding every fake driver of tests/fakes (libcuda.so.1 and
   libnvidia-ml.so.1), built once per session; put it on LD_LIBRARY_PATH.
+- `holder_exe`: tests/e2e/region_holder.c built against the region core (see tests/regionholder.py).
 - `shim_lib`: libmpsshim.so freshly built from csrc/ into a session directory, so tests run the
   current sources (not a stale copy in shim/).
 - `run_client(argv, env, timeout)`: run a client process with exactly the given extra
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import build_fakes
+from tests.regionholder import build_holder
 
 REPO = Path(__file__).resolve().parent.parent
 ClientRunner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -28,6 +30,11 @@ ClientRunner = Callable[..., "subprocess.CompletedProcess[str]"]
 @pytest.fixture(scope="session")
 def fake_cuda_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_fakes(tmp_path_factory.mktemp("fakecuda"))
+
+
+@pytest.fixture(scope="session")
+def holder_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_holder(tmp_path_factory.mktemp("holder"))
 
 
 @pytest.fixture(scope="session")

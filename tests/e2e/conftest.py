@@ -8,7 +8,6 @@ the child's output if the exit status is not the expected one.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
@@ -56,16 +55,3 @@ def fake_env(fake_cuda_dir: Any) -> Callable[..., dict[str, str]]:
         return {"LD_LIBRARY_PATH": str(fake_cuda_dir), "FAKE_CUDA_DEVICES": devices, **extra}
 
     return make
-
-
-@pytest.fixture(scope="session")
-def holder_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """region_holder.c built against the region core: charges a region and holds it until killed."""
-    exe = tmp_path_factory.mktemp("holder") / "region_holder"
-    sources = [REPO / "tests/e2e/region_holder.c", *sorted((REPO / "csrc").glob("region*.c"))]
-    subprocess.run(
-        ["cc", "-std=gnu11", "-O2", "-D_GNU_SOURCE", "-I", str(REPO / "csrc"), *map(str, sources), "-o", str(exe)]
-        + ["-lpthread"],
-        check=True,
-    )
-    return exe

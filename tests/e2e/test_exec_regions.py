@@ -5,7 +5,6 @@ metrics exporter; and the FAULT count pushed from a supervisor status."""
 from __future__ import annotations
 
 import os
-import subprocess
 import urllib.request
 
 from mpsd.exec_regions import ExecRegions, RegionUsage, region_files
@@ -13,15 +12,10 @@ from mpsd.health import HealthBoard
 from mpsd.metrics import Metrics, serve
 from mpsd.node import InventoryPump, _observer
 from mpsd.supervisor import Status
+from tests.regionholder import hold, reader_survives_truncation
 
 G = 1 << 30
 M = 1 << 20
-
-
-def hold(exe, region, *charges):
-    proc = subprocess.Popen([exe, region, *charges], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
 
 
 def scrape(metrics: Metrics) -> list[str]:
@@ -159,35 +153,11 @@ while time.monotonic() < deadline:
 print(reads)
 """
 
-FLIPPER = """
-import os, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
-size = os.fstat(fd).st_size
-print("flipping", flush=True)
-while True:
-    os.ftruncate(fd, 4096)
-    os.ftruncate(fd, size)
-"""
-
 
 def test_a_client_truncating_its_region_cannot_kill_mpsd_run(holder_exe, shim_lib, tmp_path):
     # the reader is mpsd run's inventory pump: a SIGBUS there would take the control daemon and
     # every MPS client of the node with it; the region files are the clients'
-    import sys
-
-    from tests.conftest import REPO
-
     region = tmp_path / "exec" / "job" / "region"
     region.parent.mkdir(parents=True)
     holder = hold(holder_exe, region, f"0:{8 * G}:{G}")
-    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, str(region)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert flipper.stdout.readline().strip() == "flipping"
-        reader = subprocess.run([sys.executable, "-c", READER, str(tmp_path / "exec"), str(shim_lib)],
-                                capture_output=True, text=True, timeout=120, cwd=str(REPO))  # fmt: skip
-        assert reader.returncode == 0, f"reader died: rc={reader.returncode} {reader.stderr[-500:]}"
-        assert int(reader.stdout) > 100, reader.stdout
-    finally:
-        for p in (flipper, holder):
-            p.kill()
-            p.wait()
+    reader_survives_truncation(holder, region, READER, str(tmp_path / "exec"), str(shim_lib))

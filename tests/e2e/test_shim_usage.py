@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import shim
+from tests.regionholder import hold
 
 REPO = Path(__file__).resolve().parents[2]
 G = 1 << 30
 M = 1 << 20
-
-
-def hold(exe, region, *charges):
-    proc = subprocess.Popen([exe, region, *charges], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
 
 
 def test_usage_reads_caps_usage_and_live_and_dead_holders(holder_exe, shim_lib, tmp_path):

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import threading
 from pathlib import Path
-
-import pytest
 
 from mpsd.config import load
 from mpsd.health import HealthBoard
 from mpsd.metrics import Metrics
 from mpsd.plugin import run_plugin
 from mpsd.plugin.usage import shim_usage
+from tests.regionholder import hold
 
 from .conftest import GIB, FakeKubelet, allocate, gpus, stub
 
@@ -71,18 +69,6 @@ def test_run_plugin_serves_until_stopped(short_dir):
     assert not (kubelet_dir / req.endpoint).exists()
 
 
-@pytest.fixture(scope="module")
-def holder_exe(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("holder") / "region_holder"
-    core = sorted(str(p) for p in (REPO / "csrc").glob("region*.c"))  # the region core, however it is split
-    subprocess.run(
-        ["cc", "-std=gnu11", "-O2", "-D_GNU_SOURCE", "-I", str(REPO / "csrc"), str(REPO / "tests/e2e/region_holder.c"),
-         *core, "-o", str(exe), "-lpthread"],
-        check=True,
-    )
-    return exe
-
-
 def test_usage_of_an_allocation_comes_from_its_region(env, kubelet, holder_exe, shim_lib):
     metrics = Metrics()
     g = gpus(80)
@@ -97,20 +83,14 @@ def test_usage_of_an_allocation_comes_from_its_region(env, kubelet, holder_exe, 
         assert [r.used_bytes for r in plugin.tracker.tick()] == [0]  # no process yet, no region file
         # two processes of the container, each charging against the container's cap
         for size in (3 * GIB, GIB):
-            p = subprocess.Popen([str(holder_exe), region, f"0:{16 * GIB}:{size}"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
-            holders.append(p)
-            assert p.stdout.readline().strip() == "ready"
+            holders.append(hold(holder_exe, region, f"0:{16 * GIB}:{size}"))
         (row,) = plugin.tracker.tick()
         assert (row.limit_bytes, row.used_bytes) == (16 * GIB, 4 * GIB)
         labels = dict(allocation=a.allocation_id, pod="", namespace="", container="", gpu="0")
         assert metrics.registry.get_sample_value("mpsd_allocation_memory_used_bytes", labels) == 4 * GIB
         holders[0].kill()  # a process of the container dies holding 3 GiB
         holders[0].wait()
-        p = subprocess.Popen([str(holder_exe), region, f"0:{16 * GIB}:0"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # the next process to open the region
-        holders.append(p)
-        assert p.stdout.readline().strip() == "ready"
+        holders.append(hold(holder_exe, region, f"0:{16 * GIB}:0"))  # the next process to open the region
         (row,) = plugin.tracker.tick()
         assert row.used_bytes == GIB  # the dead process's memory was given back
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -17,28 +16,11 @@ import pytest
 
 from mpsd.metrics import Metrics
 from mpsd.plugin.usage import shim_usage
+from tests.regionholder import hold, reader_survives_truncation
 
 from .conftest import GIB, RESOURCE, FakePodResources, allocate, gpus, stub
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def holder_exe(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("holder") / "region_holder"
-    core = sorted(str(p) for p in (REPO / "csrc").glob("region*.c"))
-    subprocess.run(
-        ["cc", "-std=gnu11", "-O2", "-D_GNU_SOURCE", "-I", str(REPO / "csrc"), str(REPO / "tests/e2e/region_holder.c"),
-         *core, "-o", str(exe), "-lpthread"],
-        check=True,
-    )
-    return exe
-
-
-def hold(exe, region, charge):
-    p = subprocess.Popen([str(exe), str(region), charge], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
-    return p
 
 
 def tick_within(plugin, seconds: float, now: float):
@@ -126,32 +108,10 @@ while time.monotonic() < deadline:
 print(reads)
 """
 
-FLIPPER = """
-import os, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
-size = os.fstat(fd).st_size
-print("flipping", flush=True)
-while True:
-    os.ftruncate(fd, 4096)
-    os.ftruncate(fd, size)
-"""
-
 
 def test_a_pod_truncating_its_region_while_it_is_read_cannot_kill_the_reader(shim_lib, holder_exe, tmp_path):
     # the reader is mpsd itself (the plugin runs in `mpsd run`): a SIGBUS there would take the
     # control daemon and every MPS client of the node with it
-    import sys
-
     region = tmp_path / "region"
     holder = hold(holder_exe, region, f"0:{8 * GIB}:{GIB}")
-    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, str(region)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert flipper.stdout.readline().strip() == "flipping"
-        reader = subprocess.run([sys.executable, "-c", READER, str(region), str(shim_lib)],
-                                capture_output=True, text=True, timeout=120, cwd=str(REPO))
-        assert reader.returncode == 0, f"reader died: rc={reader.returncode} {reader.stderr[-500:]}"
-        assert int(reader.stdout) > 100, reader.stdout
-    finally:
-        for p in (flipper, holder):
-            p.kill()
-            p.wait()
+    reader_survives_truncation(holder, region, READER, str(region), str(shim_lib))
