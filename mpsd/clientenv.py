@@ -17,6 +17,7 @@ def client_env(
     shim_library: str | None = None,
     region_path: str | None = None,
     log_dir: str | None = None,
+    client_priority: int | None = None,
 ) -> dict[str, str]:
     """Variables for one client.
 
@@ -29,6 +30,8 @@ def client_env(
         env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
     if active_thread_percentage is not None:
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = _percent(active_thread_percentage)
+    if client_priority is not None:  # 0 normal, 1 below normal: a client can only lower its own
+        env["CUDA_MPS_CLIENT_PRIORITY"] = str(int(client_priority))
     if memory_limits:
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = format_limits(memory_limits)
     if shim_library:

@@ -40,6 +40,10 @@ class PluginError(MpsdError):
     """The kubelet device plugin could not register, serve or allocate."""
 
 
+class DraError(MpsdError):
+    """The DRA kubelet plugin could not register, or prepare or unprepare a ResourceClaim."""
+
+
 def one_line(text: object) -> str:
     """``text`` with every run of whitespace, line breaks included (those str.splitlines()
     knows: \\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, U+2028, U+2029), made one space."""

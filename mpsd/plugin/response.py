@@ -46,13 +46,16 @@ class HostPaths:
         return os.path.join(self.region_dir, name)
 
 
-def container_env(plan: Plan, pipe_dir: str) -> dict[str, str]:
+def container_env(plan: Plan, pipe_dir: str, client_priority: int | None = None) -> dict[str, str]:
+    """The environment of a container holding ``plan`` (Allocate; DRA's CDI spec, which may add
+    the claim's client priority)."""
     env = client_env(
         pipe_dir=pipe_dir,
         active_thread_percentage=plan.active_thread_percentage,
         memory_limits=dict(plan.memory_limits),
         shim_library=CONTAINER_SHIM,
         region_path=CONTAINER_REGION,
+        client_priority=client_priority,
     )
     env["NVIDIA_VISIBLE_DEVICES"] = plan.visible_devices
     env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"

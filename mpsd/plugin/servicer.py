@@ -189,24 +189,29 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return allocation
 
     def _fresh_dir(self, allocation_id: str) -> str:
-        """A new directory ``<allocation ID>-<random>`` that did not exist before (mkdir, not
-        makedirs: an existing name is never reused), mode 0777 so that any container UID
-        creates its region there."""
-        for _ in range(4):
-            directory = self.paths.allocation_dir(f"{allocation_id}-{secrets.token_hex(6)}")
+        return fresh_dir(self.paths.region_dir, allocation_id)
+
+
+def fresh_dir(region_dir: str, prefix: str) -> str:
+    """A new directory ``<prefix>-<random>`` in ``region_dir`` that did not exist before (mkdir,
+    not makedirs: an existing name is never reused), mode 0777 so that any container UID
+    creates its region there. Allocate (prefix: the allocation ID) and DRA's Prepare (prefix:
+    ``claim-<uid>``) both make their directories here."""
+    for _ in range(4):
+        directory = os.path.join(region_dir, f"{prefix}-{secrets.token_hex(6)}")
+        try:
             try:
-                try:
-                    os.mkdir(directory, 0o700)
-                except FileNotFoundError:  # regionDir itself is gone: re-created, root's
-                    os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
-                    os.mkdir(directory, 0o700)
-                os.chmod(directory, 0o777)  # not in mkdir: the umask would take bits off
-                return directory
-            except FileExistsError:
-                continue
-            except OSError as exc:
-                raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
-        raise PluginError(f"cannot create a new region directory in {self.paths.region_dir}: names taken")
+                os.mkdir(directory, 0o700)
+            except FileNotFoundError:  # regionDir itself is gone: re-created, root's
+                os.makedirs(region_dir, mode=0o755, exist_ok=True)
+                os.mkdir(directory, 0o700)
+            os.chmod(directory, 0o777)  # not in mkdir: the umask would take bits off
+            return directory
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+    raise PluginError(f"cannot create a new region directory in {region_dir}: names taken")
 
 
 def _remove_empty(directory: str) -> None:

@@ -83,8 +83,11 @@ class StateStore:
     one) is dropped, as its change never returned. Replaying is idempotent: a journal left
     behind by a crash between a snapshot and its truncation replays to that snapshot."""
 
-    def __init__(self, path: str, compact_every: int = 4096) -> None:
+    def __init__(self, path: str, compact_every: int = 4096, record: type = Allocation) -> None:
         self.path = path
+        # what is stored: Allocation for the device plugin, mpsd.dra.prepared.PreparedClaim for DRA;
+        # any frozen record with allocation_id, created, to_json() and from_json()
+        self.record = record
         self.journal_path = path + JOURNAL_SUFFIX
         self.compact_every = compact_every  # journal lines that make a write compact at once
         self.lock = threading.RLock()
@@ -103,7 +106,7 @@ class StateStore:
                     data = json.load(f)
                 if data.get("version") != FORMAT_VERSION:
                     raise ValueError(f"version {data.get('version')!r}, expected {FORMAT_VERSION}")
-                allocations = [Allocation.from_json(a) for a in data["allocations"]]
+                allocations = [self.record.from_json(a) for a in data["allocations"]]
             except FileNotFoundError:
                 allocations = []
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
@@ -145,7 +148,7 @@ class StateStore:
 
     def _apply(self, entry: dict) -> None:
         if "put" in entry:
-            for a in [Allocation.from_json(x) for x in entry["put"]]:
+            for a in [self.record.from_json(x) for x in entry["put"]]:
                 self._allocations[a.allocation_id] = a
         elif "remove" in entry:
             for i in entry["remove"]:

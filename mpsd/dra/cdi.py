@@ -1,0 +1,219 @@
+"""CDI specs for prepared claims: one file per claim in cdiDir (``/var/run/cdi`` by default), kind
+``mpsd.io/claim``, one device named after the claim's UID. The container runtime (containerd,
+CRI-O, podman) reads the file when a container names the device ``mpsd.io/claim=<uid>`` and
+applies its containerEdits.
+
+``claim_spec`` is pure: a prepared claim and the host paths give the spec. ``CdiDir`` writes and
+removes the files: cdiDir must be a real directory (not a symlink) that mpsd can write; every
+file is opened relative to a descriptor of that directory with O_NOFOLLOW, written to a
+temporary name, fsync'd and renamed over the final name (a runtime reading it sees the old
+file or the new one, never half of one), and the directory is fsync'd.
+
+cdiVersion 0.5.0: the newest version the CDI library in Debian 12's podman (4.3.1) reads;
+containerd and CRI-O read it as well. The spec uses only what 0.5.0 has (env, mounts,
+deviceNodes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+from typing import Iterable
+
+from ..errors import DraError
+from ..plugin.response import CONTAINER_REGION_DIR, CONTAINER_SHIM_DIR, HostPaths, container_env
+from ..plugin.slicing import Plan
+
+log = logging.getLogger(__name__)
+
+CDI_VERSION = "0.5.0"
+CDI_KIND = "mpsd.io/claim"
+FILE_PREFIX = "mpsd.io-claim_"
+MAX_SPEC_BYTES = 1 << 20
+CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,126}[A-Za-z0-9])?")
+
+
+def check_uid(uid: str) -> str:
+    """A claim UID usable as a CDI device name and in file names (a Kubernetes UID always is)."""
+    if not isinstance(uid, str) or _NAME.fullmatch(uid) is None:
+        shown = repr(uid)[:80]
+        raise DraError(f"bad claim UID {shown}: expected letters, digits, '-', '_' or '.' (at most 128)")
+    return uid
+
+
+def device_id(uid: str) -> str:
+    """The CDI device ID the kubelet hands to the runtime: ``mpsd.io/claim=<uid>``."""
+    return f"{CDI_KIND}={uid}"
+
+
+def spec_file_name(uid: str) -> str:
+    return f"{FILE_PREFIX}{check_uid(uid)}.json"
+
+
+def device_nodes(gpu_indices: Iterable[int], dev_dir: str = "/dev") -> list[str]:
+    """The NVIDIA device nodes a client of these GPUs needs, as far as they exist on this host
+    (``/dev/nvidia<index>``: the minor number is taken to be the NVML index, as the driver numbers
+    them by default)."""
+    names = [*CONTROL_NODES, *(f"nvidia{i}" for i in sorted(gpu_indices))]
+    return [os.path.join(dev_dir, n) for n in names if os.path.exists(os.path.join(dev_dir, n))]
+
+
+def claim_spec(
+    uid: str,
+    plan: Plan,
+    paths: HostPaths,
+    region_dir: str,
+    *,
+    client_priority: int | None = None,
+    nodes: Iterable[str] = (),
+) -> dict:
+    """The CDI spec of one prepared claim: every container of the claim gets the same region
+    directory (one cap for all of its processes), the pipe directory read-only, the shim
+    read-only, the MPS limits and the GPU (NVIDIA_VISIBLE_DEVICES, as the device plugin's
+    Allocate gives it, and the device nodes)."""
+    env = container_env(plan, paths.pipe_dir, client_priority=client_priority)
+    mounts = [
+        _mount(paths.pipe_dir, paths.pipe_dir, read_only=True),
+        _mount(region_dir, CONTAINER_REGION_DIR, read_only=False),
+        _mount(paths.shim_host_dir, CONTAINER_SHIM_DIR, read_only=True),
+    ]
+    if paths.ipc_mode == "tmpfs":
+        mounts.append(_mount(paths.shm_dir, "/dev/shm", read_only=False))
+    edits = {
+        "env": [f"{k}={v}" for k, v in sorted(env.items())],
+        "mounts": mounts,
+    }
+    node_list = [{"path": n} for n in nodes]
+    if node_list:
+        edits["deviceNodes"] = node_list
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": CDI_KIND,
+        "devices": [{"name": check_uid(uid), "containerEdits": edits}],
+    }
+
+
+def _mount(host: str, container: str, *, read_only: bool) -> dict:
+    options = ["ro" if read_only else "rw", "nosuid", "nodev", "bind"]
+    return {"hostPath": host, "containerPath": container, "options": options}
+
+
+class CdiDir:
+    """Spec files in one directory, written and removed through a descriptor of it."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isabs(path):
+            raise DraError(f"bad cdiDir {path!r}: expected an absolute path")
+        self.path = path
+
+    def _open(self) -> int:
+        """A descriptor of cdiDir after checking it: created (0755) when missing; a symlink, a
+        file or a directory mpsd cannot write is refused with one line."""
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.mkdir(self.path, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise DraError(f"cannot create cdiDir {self.path}: {exc.strerror or exc}") from exc
+        try:
+            st = os.lstat(self.path)
+        except OSError as exc:
+            raise DraError(f"cdiDir {self.path}: {exc.strerror or exc}") from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise DraError(
+                f"cdiDir {self.path} is a symlink: expected a real directory (the runtime reads specs there)"
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise DraError(f"cdiDir {self.path} is not a directory: expected a directory for CDI specs")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise DraError(f"cdiDir {self.path}: {exc.strerror or exc}") from exc
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            os.close(fd)
+            raise DraError(f"cdiDir {self.path} is not writable: expected a directory mpsd can write")
+        return fd
+
+    def check(self) -> None:
+        os.close(self._open())
+
+    def write(self, name: str, spec: dict) -> str:
+        """Replace ``name`` in cdiDir with ``spec`` (JSON) atomically; the file's path."""
+        content = json.dumps(spec, indent=1, sort_keys=True).encode() + b"\n"
+        dir_fd = self._open()
+        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dir_fd)
+            try:
+                view = memoryview(content)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, 0o644)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        except OSError as exc:
+            _unlink(tmp, dir_fd)
+            raise DraError(f"cannot write CDI spec {os.path.join(self.path, name)}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(dir_fd)
+        return os.path.join(self.path, name)
+
+    def read(self, name: str) -> dict | None:
+        """The spec in ``name``, None when it is missing, not a regular file or not ours to read."""
+        try:
+            dir_fd = self._open()
+        except DraError:
+            return None
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError:
+            os.close(dir_fd)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SPEC_BYTES:
+                return None
+            data = os.read(fd, MAX_SPEC_BYTES + 1)
+            return json.loads(data)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+            os.close(dir_fd)
+
+    def remove(self, name: str) -> None:
+        """Remove ``name`` (already gone is fine); DraError when it cannot be removed."""
+        dir_fd = self._open()
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise DraError(f"cannot remove CDI spec {os.path.join(self.path, name)}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(dir_fd)
+
+    def ours(self) -> list[str]:
+        """Names of the claim specs in cdiDir (for finding those no record names)."""
+        try:
+            return sorted(n for n in os.listdir(self.path) if n.startswith(FILE_PREFIX) and n.endswith(".json"))
+        except OSError:
+            return []
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass

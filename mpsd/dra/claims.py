@@ -1,0 +1,284 @@
+"""What a ResourceClaim gives this node: pure functions from the claim (a dict as the API server
+returns it, resource.k8s.io/v1) to the limits of its containers.
+
+For one claim and this driver and node:
+
+- ``metadata.uid`` must be the UID the kubelet asked for (a claim deleted and re-created
+  under the same name is another claim);
+- ``status.allocation.nodeSelector`` must select this node (``matchFields`` on
+  ``metadata.name`` or ``matchExpressions`` on ``kubernetes.io/hostname``, operator ``In``);
+- the results of this driver (``status.allocation.devices.results[]``) name devices of this
+  node's pool: ``gpu-<index>`` (capacity mode) or ``gpu-<index>-slice-<k>`` (slices mode);
+- what a result consumed (``consumedCapacity``: ``memory`` in bytes, ``compute`` in percent of
+  the SMs) becomes the container's pinned memory limit and active thread percentage. What it
+  did not ask for is derived from the other, in proportion to the device: ``memory: 4Gi`` of
+  an 80 GiB GPU gives 5 % compute (rounded up to a hundredth), ``compute: 25`` gives a quarter
+  of its memory (rounded down to a MiB); neither gives the whole GPU. A slice ``k`` of N gives
+  the device plugin's share of slice k (mpsd.plugin.slicing) and 100/N %. Several results on
+  one GPU add up; over several GPUs the largest percentage is taken (MPS has one per client),
+  as for the device plugin;
+- the claim's opaque configuration for this driver (``status.allocation.devices.config[]``,
+  class configs first, then the claim's: the later wins) is ``apiVersion: gpu.mpsd.io/v1alpha1,
+  kind: ClaimConfig`` with ``clientPriority`` (0 normal, 1 below normal); any other field is
+  refused.
+
+Every refusal is a DraError with one line naming the claim and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Mapping, Sequence
+
+from ..errors import DraError
+from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan, slice_share_bytes, thread_percentage
+
+CONFIG_API_VERSION = "gpu.mpsd.io/v1alpha1"
+CONFIG_KIND = "ClaimConfig"
+CONFIG_FIELDS = ("apiVersion", "kind", "clientPriority")
+CAPACITIES = ("memory", "compute")
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+_DEVICE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})(?:-slice-(0|[1-9][0-9]{0,2}))?")
+_QUANTITY = re.compile(
+    r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?"
+)
+_SUFFIX = {
+    None: Fraction(1), "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000),
+    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
+    "P": Fraction(10**15), "E": Fraction(10**18), "Ki": Fraction(1 << 10), "Mi": Fraction(1 << 20),
+    "Gi": Fraction(1 << 30), "Ti": Fraction(1 << 40), "Pi": Fraction(1 << 50), "Ei": Fraction(1 << 60),
+}
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A claim as the kubelet names it in NodePrepareResources."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One allocated device of this driver, as the response to the kubelet names it."""
+
+    request: str
+    pool: str
+    device: str
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    ref: ClaimRef
+    results: tuple[Result, ...]
+    plan: Plan  # the limits, as the device plugin computes them for a container
+    client_priority: int | None
+    pods: tuple[str, ...]  # names of the pods in reservedFor
+
+
+def short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def parse_quantity(text: object) -> Fraction:
+    """A Kubernetes quantity (``4Gi``, ``25``, ``500m``, ``1e3``) as an exact number; ValueError otherwise."""
+    match = _QUANTITY.fullmatch(text) if isinstance(text, str) and len(text) <= 64 else None
+    if match is None:
+        raise ValueError(f"bad quantity {short(text)}: expected a number with an optional suffix such as 4Gi or 25")
+    sign, number, suffix = match.groups()
+    value = Fraction(number)
+    if suffix and suffix[0] in "eE":
+        value *= Fraction(10) ** int(suffix[1:])
+    else:
+        value *= _SUFFIX[suffix]
+    return -value if sign == "-" else value
+
+
+def parse_device_name(name: object) -> tuple[int, int | None]:
+    """``gpu-3`` -> (3, None); ``gpu-3-slice-1`` -> (3, 1); ValueError otherwise."""
+    match = _DEVICE.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise ValueError(f"bad device name {short(name)}: expected gpu-<index> or gpu-<index>-slice-<k>")
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
+
+
+def _get(data: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
+def check_identity(claim: Any, ref: ClaimRef) -> None:
+    meta = _get(claim, "metadata")
+    if not isinstance(meta, Mapping):
+        raise DraError(f"claim {ref}: the API server's answer has no metadata")
+    if meta.get("uid") != ref.uid:
+        raise DraError(
+            f"claim {ref}: UID {short(meta.get('uid'))} on the API server, the kubelet asked for {ref.uid!r} "
+            "(deleted and created again?): not prepared"
+        )
+    if (meta.get("namespace"), meta.get("name")) != (ref.namespace, ref.name):
+        raise DraError(f"claim {ref}: the API server answered with {meta.get('namespace')}/{meta.get('name')}")
+
+
+def selects_node(node_selector: Any, node: str) -> bool:
+    """Whether a v1 NodeSelector (terms ORed, requirements ANDed) selects ``node`` by name. Only
+    ``In`` on ``metadata.name`` (matchFields) or the hostname label is understood; a term with any
+    other requirement cannot be decided here and does not select."""
+    terms = _get(node_selector, "nodeSelectorTerms")
+    if not isinstance(terms, list):
+        return False
+    for term in terms:
+        reqs = [("f", r) for r in _get(term, "matchFields") or []]
+        reqs += [("e", r) for r in _get(term, "matchExpressions") or []]
+        if reqs and all(_names_node(kind, r, node) for kind, r in reqs):
+            return True
+    return False
+
+
+def _names_node(kind: str, req: Any, node: str) -> bool:
+    key = "metadata.name" if kind == "f" else HOSTNAME_LABEL
+    values = _get(req, "values")
+    return _get(req, "key") == key and _get(req, "operator") == "In" and isinstance(values, list) and node in values
+
+
+def client_config(configs: Any, driver: str, ref: ClaimRef) -> int | None:
+    """The client priority from this driver's opaque configs (the last one that sets it wins)."""
+    priority = None
+    for entry in configs if isinstance(configs, list) else []:
+        opaque = _get(entry, "opaque")
+        if _get(opaque, "driver") != driver:
+            continue
+        params = _get(opaque, "parameters")
+        where = f"claim {ref}: opaque config for {driver}"
+        if not isinstance(params, Mapping):
+            raise DraError(f"{where}: expected a mapping with apiVersion {CONFIG_API_VERSION}, got {short(params)}")
+        unknown = sorted(str(k) for k in params if k not in CONFIG_FIELDS)
+        if unknown:
+            raise DraError(f"{where}: unknown field {short(unknown[0])}; accepted: {', '.join(CONFIG_FIELDS)}")
+        if params.get("apiVersion") != CONFIG_API_VERSION or params.get("kind") != CONFIG_KIND:
+            raise DraError(
+                f"{where}: apiVersion {short(params.get('apiVersion'))} kind {short(params.get('kind'))}; "
+                f"accepted: apiVersion {CONFIG_API_VERSION}, kind {CONFIG_KIND}"
+            )
+        if "clientPriority" in params:
+            value = params["clientPriority"]
+            if value not in (0, 1) or isinstance(value, bool):
+                raise DraError(f"{where}: clientPriority {short(value)}; accepted: 0 (normal) or 1 (below normal)")
+            priority = int(value)
+    return priority
+
+
+@dataclass(frozen=True)
+class _Take:
+    gpu: GpuLike
+    slice: int | None
+    memory: int  # bytes
+    compute: float  # percent
+
+
+def _consumed(result: Mapping, gpu: GpuLike, where: str) -> tuple[int, float]:
+    """(bytes, percent) one capacity-mode result consumed, the missing one derived."""
+    consumed = result.get("consumedCapacity") or {}
+    if not isinstance(consumed, Mapping):
+        raise DraError(f"{where}: consumedCapacity {short(consumed)}: expected a mapping of memory and compute")
+    unknown = sorted(str(k) for k in consumed if k not in CAPACITIES)
+    if unknown:
+        raise DraError(f"{where}: unknown capacity {short(unknown[0])}; accepted: {', '.join(CAPACITIES)}")
+    try:
+        memory = parse_quantity(consumed["memory"]) if "memory" in consumed else None
+        compute = parse_quantity(consumed["compute"]) if "compute" in consumed else None
+    except ValueError as exc:
+        raise DraError(f"{where}: {exc}") from None
+    total = gpu.memory_total
+    if memory is not None and not MIB <= memory <= total:
+        raise DraError(f"{where}: consumed memory {consumed['memory']} is outside 1Mi..{total} (the device's bytes)")
+    if compute is not None and not 0 < compute <= 100:
+        raise DraError(f"{where}: consumed compute {consumed['compute']} is outside (0, 100] percent of the SMs")
+    if memory is None and compute is None:
+        return total // MIB * MIB, 100.0
+    if memory is None:
+        memory = total * compute / 100
+    if compute is None:
+        compute = Fraction(math.ceil(memory * 10000 / total), 100)  # up to a hundredth: never below the share
+    return int(memory) // MIB * MIB, min(100.0, float(compute))
+
+
+def _take(result: Mapping, gpus: Mapping[int, GpuLike], slices_per_gpu: int, where: str) -> _Take:
+    try:
+        index, k = parse_device_name(result.get("device"))
+    except ValueError as exc:
+        raise DraError(f"{where}: {exc}") from None
+    gpu = gpus.get(index)
+    if gpu is None:
+        raise DraError(f"{where}: GPU {index} is not on this node (GPUs: {sorted(gpus)})")
+    if result.get("adminAccess"):
+        raise DraError(f"{where}: adminAccess is not supported: an MPS client always has limits")
+    if k is None:
+        memory, compute = _consumed(result, gpu, where)
+        return _Take(gpu, None, memory, compute)
+    if k >= slices_per_gpu:
+        raise DraError(f"{where}: slice {k} of {slices_per_gpu} per GPU does not exist")
+    return _Take(gpu, k, slice_share_bytes(gpu.memory_total, slices_per_gpu, k), thread_percentage(1, slices_per_gpu))
+
+
+def _plan(takes: Sequence[_Take], device_ids: tuple[str, ...], ref: ClaimRef) -> Plan:
+    per_gpu: dict[int, list[_Take]] = {}
+    for t in takes:
+        per_gpu.setdefault(t.gpu.index, []).append(t)
+    shares = []
+    percentages = []
+    for ordinal, index in enumerate(sorted(per_gpu)):
+        group = per_gpu[index]
+        gpu = group[0].gpu
+        memory = sum(t.memory for t in group)
+        if memory > gpu.memory_total:
+            raise DraError(f"claim {ref}: {memory} bytes consumed on GPU {index}, above its {gpu.memory_total}")
+        slices = tuple(sorted(t.slice for t in group if t.slice is not None))
+        shares.append(GpuShare(ordinal=ordinal, index=index, uuid=gpu.uuid, slices=slices, memory_limit=memory))
+        percentages.append(min(100.0, round(sum(t.compute for t in group), 2)))
+    return Plan(device_ids, tuple(shares), max(percentages))
+
+
+def plan_claim(
+    claim: Any, ref: ClaimRef, *, driver: str, node: str, pool: str, gpus: Sequence[GpuLike], slices_per_gpu: int
+) -> ClaimPlan:
+    """The limits of ``claim`` on this node, or DraError with one line."""
+    check_identity(claim, ref)
+    allocation = _get(claim, "status", "allocation")
+    if not isinstance(allocation, Mapping):
+        raise DraError(f"claim {ref}: not allocated (no status.allocation)")
+    if not selects_node(allocation.get("nodeSelector"), node):
+        raise DraError(f"claim {ref}: allocated to another node (nodeSelector does not name {node!r})")
+    results = _get(allocation, "devices", "results")
+    ours = [r for r in results if _get(r, "driver") == driver] if isinstance(results, list) else []
+    if not ours:
+        raise DraError(f"claim {ref}: no device of driver {driver} allocated")
+    by_index = {g.index: g for g in gpus}
+    takes, names = [], []
+    for r in ours:
+        where = f"claim {ref}: device {short(r.get('device'))} of request {short(r.get('request'))}"
+        if r.get("pool") != pool:
+            raise DraError(f"{where}: pool {short(r.get('pool'))} is not this node's pool {pool!r}")
+        takes.append(_take(r, by_index, slices_per_gpu, where))
+        names.append(Result(str(r.get("request") or ""), pool, str(r["device"])))
+    if len(set(names)) != len(names):
+        raise DraError(f"claim {ref}: a device is allocated twice for one request")
+    priority = client_config(_get(allocation, "devices", "config"), driver, ref)
+    device_ids = tuple(sorted({f"{n.pool}/{n.device}" for n in names}))
+    reserved = _get(claim, "status", "reservedFor")
+    pods = tuple(
+        str(c.get("name")) for c in (reserved if isinstance(reserved, list) else [])
+        if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")
+    )
+    return ClaimPlan(ref, tuple(names), _plan(takes, device_ids, ref), priority, pods)

@@ -1,0 +1,237 @@
+"""The DRA kubelet plugin: two gRPC servers on unix sockets, thin over mpsd.dra.prepared.
+
+- ``<registryDir>/<driver>-reg.sock``: pluginregistration.Registration. The kubelet's plugin
+  watcher finds the socket, calls GetInfo (type DRAPlugin, name = the driver, endpoint = the
+  DRA socket's absolute path, supported versions ``v1.DRAPlugin`` then ``v1beta1.DRAPlugin``:
+  the kubelet takes the first it knows) and reports with NotifyRegistrationStatus. Removing
+  the socket deregisters the plugin.
+- ``<pluginsDir>/<driver>/dra.sock``: the DRAPlugin service, v1 and v1beta1 (same messages, two
+  packages). NodePrepareResources answers every claim of the request: its CDI device, or a
+  one-line error in its entry (the kubelet asks again for those).
+
+A watchdog serves a socket again when it was deleted or replaced (the kubelet's directories
+may be wiped while mpsd runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent import futures
+from typing import Callable
+
+import grpc
+
+from ..errors import DraError, MpsdError, one_line
+from ..plugin.kubelet import socket_identity
+from . import (
+    cdi,
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    pluginregistration_pb2,
+    pluginregistration_pb2_grpc,
+)
+from .claims import ClaimRef
+from .prepared import PreparedClaim, Preparer
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+DRA_SOCKET = "dra.sock"
+WORKERS = 8  # claims of one call prepared at once (each may wait on the API server)
+
+
+def registration_socket_name(driver: str) -> str:
+    return f"{driver}-reg.sock"
+
+
+def _devices(pb2, rec: PreparedClaim) -> list:
+    """One response Device per allocated device; the claim's CDI ID on the first device of each
+    request, so a container naming the claim gets it once per request."""
+    seen: set[str] = set()
+    devices = []
+    for r in rec.results:
+        ids = [] if r.request in seen else [cdi.device_id(rec.uid)]
+        seen.add(r.request)
+        devices.append(pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
+                                  device_name=r.device, cdi_device_ids=ids))
+    return devices
+
+
+class DraServicer:
+    """NodePrepareResources and NodeUnprepareResources for one package of the API (``pb2``)."""
+
+    def __init__(self, pb2, preparer: Preparer, pool: futures.Executor) -> None:
+        self.pb2 = pb2
+        self.preparer = preparer
+        self.pool = pool
+
+    def NodePrepareResources(self, request, context):
+        response = self.pb2.NodePrepareResourcesResponse()
+        refs = _refs(request)
+        for uid, outcome in zip(refs, self.pool.map(self._prepare, refs.values()), strict=True):
+            if isinstance(outcome, str):
+                response.claims[uid].error = outcome
+            else:
+                response.claims[uid].devices.extend(_devices(self.pb2, outcome))
+        return response
+
+    def NodeUnprepareResources(self, request, context):
+        response = self.pb2.NodeUnprepareResourcesResponse()
+        for uid, ref in _refs(request).items():
+            try:
+                self.preparer.unprepare(ref)
+                response.claims[uid].SetInParent()
+            except MpsdError as exc:
+                log.error("NodeUnprepareResources claim=%s error=%s", ref, exc)
+                response.claims[uid].error = one_line(exc)
+        return response
+
+    def _prepare(self, ref: ClaimRef) -> PreparedClaim | str:
+        try:
+            return self.preparer.prepare(ref)
+        except MpsdError as exc:
+            log.error("NodePrepareResources claim=%s uid=%s error=%s", ref, ref.uid, exc)
+            return one_line(exc)
+        except Exception as exc:  # a bug: this claim fails in one line, the others go on
+            log.exception("NodePrepareResources failed claim=%s", ref)
+            return f"claim {ref}: internal error: {type(exc).__name__}: {one_line(exc)[:200]}"
+
+
+def _refs(request) -> dict[str, ClaimRef]:
+    return {c.uid: ClaimRef(c.namespace, c.name, c.uid) for c in request.claims}
+
+
+class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
+    def __init__(self, driver: str, endpoint: str) -> None:
+        self.driver, self.endpoint = driver, endpoint
+        self.status: tuple[bool, str] | None = None  # the kubelet's last verdict
+        self.notified = threading.Event()
+
+    def GetInfo(self, request, context):
+        return pluginregistration_pb2.PluginInfo(
+            type=PLUGIN_TYPE, name=self.driver, endpoint=self.endpoint, supported_versions=list(SUPPORTED_VERSIONS)
+        )
+
+    def NotifyRegistrationStatus(self, request, context):
+        self.status = (request.plugin_registered, request.error)
+        if request.plugin_registered:
+            log.info("registered with the kubelet driver=%s endpoint=%s", self.driver, self.endpoint)
+        else:
+            log.error("kubelet refused the registration driver=%s error=%s", self.driver, one_line(request.error))
+        self.notified.set()
+        return pluginregistration_pb2.RegistrationStatusResponse()
+
+
+class _Socket:
+    """One gRPC server on one unix socket, served again when the socket disappears."""
+
+    def __init__(self, path: str, add: Callable[[grpc.Server], None], workers: int) -> None:
+        self.path, self.add, self.workers = path, add, workers
+        self.server: grpc.Server | None = None
+        self.identity: tuple[int, int] | None = None
+
+    def serve(self) -> None:
+        self.stop()
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
+            if os.path.lexists(self.path):
+                os.unlink(self.path)
+        except OSError as exc:
+            raise DraError(f"cannot prepare socket {self.path}: {exc.strerror or exc}") from exc
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="mpsd-dra-rpc"))
+        self.add(server)
+        if server.add_insecure_port("unix://" + os.path.abspath(self.path)) == 0:
+            raise DraError(f"cannot listen on socket {self.path}")
+        server.start()
+        self.server, self.identity = server, socket_identity(self.path)
+        log.info("serving socket=%s", self.path)
+
+    def check(self) -> None:
+        if socket_identity(self.path) != self.identity:
+            log.warning("socket missing or replaced, serving again path=%s", self.path)
+            self.serve()
+
+    def stop(self) -> None:
+        if self.server is None:
+            return
+        self.server.stop(grace=1.0).wait()
+        self.server = None
+        try:
+            if socket_identity(self.path) == self.identity:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        self.identity = None
+
+
+class DraPlugin:
+    def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0):
+        driver = preparer.driver
+        self.preparer = preparer
+        self.poll_interval = poll_interval
+        self.socket_path = os.path.abspath(os.path.join(plugins_dir, driver, DRA_SOCKET))
+        self.registration_path = os.path.abspath(os.path.join(registry_dir, registration_socket_name(driver)))
+        self.registration = RegistrationServicer(driver, self.socket_path)
+        self._pool = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mpsd-dra-claim")
+        v1 = DraServicer(dra_v1_pb2, preparer, self._pool)
+        v1beta1 = DraServicer(dra_v1beta1_pb2, preparer, self._pool)
+
+        def add_dra(server: grpc.Server) -> None:
+            dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
+            dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+
+        def add_registration(server: grpc.Server) -> None:
+            pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.registration, server)
+
+        self._dra = _Socket(self.socket_path, add_dra, WORKERS + 2)
+        self._reg = _Socket(self.registration_path, add_registration, 2)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Converge the prepared claims, then serve: the DRA socket before the registration socket
+        (the kubelet calls the endpoint as soon as it has registered it)."""
+        self.preparer.store.load()
+        self.preparer.store.compact()
+        self.preparer.cdi.check()
+        self.preparer.recover()
+        self._dra.serve()
+        self._reg.serve()
+        self._thread = threading.Thread(target=self._watch, name="mpsd-dra-watch", daemon=True)
+        self._thread.start()
+        log.info("DRA plugin started driver=%s node=%s socket=%s registration=%s prepared=%d",
+                 self.preparer.driver, self.preparer.node, self.socket_path, self.registration_path,
+                 len(self.preparer.prepared()))
+
+    def stop(self) -> None:
+        """Deregister (the registration socket goes first), stop serving; prepared claims stay."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._reg.stop()
+        self._dra.stop()
+        self._pool.shutdown(wait=True)
+        self.preparer.store.close()
+        log.info("DRA plugin stopped driver=%s", self.preparer.driver)
+
+    def check(self) -> None:
+        self._dra.check()
+        self._reg.check()
+
+    def _watch(self) -> None:
+        last = ""
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self.check()
+                last = ""
+            except MpsdError as exc:
+                if str(exc) != last:
+                    log.error("%s (retrying every %.1fs)", exc, self.poll_interval)
+                last = str(exc)
+            except Exception:
+                log.exception("DRA plugin watchdog round failed")

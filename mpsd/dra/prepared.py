@@ -1,0 +1,300 @@
+"""Prepare and Unprepare: the one place that changes the prepared claims of this node.
+
+Each claim has one record in the device plugin's journaled store (mpsd.plugin.state.StateStore,
+its own file ``dra-state.json`` in stateDir), one allocation directory in regionDir (fresh, mode
+0777, shared by all containers of the claim: one region, one cap) and one CDI spec in cdiDir.
+The steps of a Prepare, each durable before the next:
+
+1. the record, phase ``preparing`` (the directory and spec names it will use);
+2. the directory (mpsd.plugin.servicer.fresh_dir, as Allocate makes its own);
+3. the CDI spec (atomic);
+4. the record, phase ``prepared``; only then the answer.
+
+A crash at any step leaves a record that says what may exist: at the next start a ``preparing``
+record is rolled back (spec and directory removed, record dropped; the kubelet asks again and
+gets a fresh preparation), a ``prepared`` one is kept and its directory or spec re-created if
+missing (a reboot empties /var/run/cdi and a tmpfs regionDir). Prepare of a prepared claim
+answers the same CDI device again (the kubelet retries); Unprepare removes spec, directory,
+then record, and a claim it does not know is already unprepared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Sequence
+
+from ..errors import DraError, MpsdError, one_line
+from ..plugin.response import HostPaths
+from ..plugin.servicer import fresh_dir
+from ..plugin.slicing import GpuLike, GpuShare, Plan
+from ..plugin.state import StateStore
+from . import cdi
+from .claims import ClaimRef, Result, plan_claim
+
+log = logging.getLogger(__name__)
+
+PREPARING, PREPARED = "preparing", "prepared"
+GetClaim = Callable[[str, str], Any]  # (namespace, name) -> the ResourceClaim as a dict
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    uid: str
+    namespace: str
+    name: str
+    results: tuple[Result, ...]
+    gpus: tuple[GpuShare, ...]
+    active_thread_percentage: float
+    client_priority: int | None
+    region_dir: str
+    spec_name: str
+    phase: str
+    created: float
+    pods: tuple[str, ...] = ()
+
+    @property
+    def allocation_id(self) -> str:  # the store's key
+        return self.uid
+
+    @property
+    def ref(self) -> ClaimRef:
+        return ClaimRef(self.namespace, self.name, self.uid)
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(tuple(sorted(f"{r.pool}/{r.device}" for r in self.results)), self.gpus,
+                    self.active_thread_percentage)
+
+    @property
+    def memory_limits(self) -> dict[int, int]:
+        return self.plan.memory_limits
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["results"] = [asdict(r) for r in self.results]
+        data["gpus"] = [asdict(g) for g in self.gpus]
+        data["pods"] = list(self.pods)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PreparedClaim":
+        return cls(
+            uid=cdi.check_uid(str(data["uid"])),
+            namespace=str(data["namespace"]),
+            name=str(data["name"]),
+            results=tuple(Result(str(r["request"]), str(r["pool"]), str(r["device"])) for r in data["results"]),
+            gpus=tuple(
+                GpuShare(int(g["ordinal"]), int(g["index"]), str(g["uuid"]), tuple(int(k) for k in g["slices"]),
+                         int(g["memory_limit"]))
+                for g in data["gpus"]
+            ),
+            active_thread_percentage=float(data["active_thread_percentage"]),
+            client_priority=None if data.get("client_priority") is None else int(data["client_priority"]),
+            region_dir=str(data["region_dir"]),
+            spec_name=str(data["spec_name"]),
+            phase=str(data["phase"]),
+            created=float(data["created"]),
+            pods=tuple(str(p) for p in data.get("pods", ())),
+        )
+
+
+class Preparer:
+    def __init__(
+        self,
+        *,
+        driver: str,
+        node: str,
+        pool: str,
+        gpus: Sequence[GpuLike],
+        slices_per_gpu: int,
+        paths: HostPaths,
+        cdi_dir: cdi.CdiDir,
+        store: StateStore,
+        get_claim: GetClaim,
+        dev_dir: str = "/dev",
+    ) -> None:
+        self.driver, self.node, self.pool = driver, node, pool
+        self.gpus = list(gpus)
+        self.slices_per_gpu = slices_per_gpu
+        self.paths = paths
+        self.cdi = cdi_dir
+        self.store = store
+        self.get_claim = get_claim
+        self.dev_dir = dev_dir
+        self.lock = threading.Lock()  # one claim changes at a time; the API server is asked outside it
+        self.step: Callable[[str], None] = lambda name: None  # fault injection in tests: called at each step
+
+    # -- start ------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Converge after a restart: roll back what was being prepared, re-create what a prepared
+        claim lost, and remove specs and claim directories of ours that no record names (a crash
+        between making a directory and recording it)."""
+        with self.lock:
+            for rec in self.store.all():
+                if rec.phase != PREPARED:
+                    log.warning("claim preparation interrupted, rolled back claim=%s uid=%s", rec.ref, rec.uid)
+                    self._remove(rec)
+                    continue
+                try:
+                    self._ensure(rec)
+                except DraError as exc:  # answered again at the kubelet's next Prepare
+                    log.error("prepared claim not restored claim=%s error=%s", rec.ref, exc)
+            named = {rec.spec_name for rec in self.store.all()}
+            for name in self.cdi.ours():
+                if name not in named:
+                    log.warning("CDI spec of no prepared claim removed path=%s", os.path.join(self.cdi.path, name))
+                    self.cdi.remove(name)
+            dirs = {os.path.basename(rec.region_dir) for rec in self.store.all()}
+            for name in _claim_dirs(self.paths.region_dir):
+                if name not in dirs:
+                    log.warning("claim directory of no prepared claim removed name=%s", name)
+                    self._remove_dir(os.path.join(self.paths.region_dir, name))
+
+    # -- the kubelet's calls ----------------------------------------------------------------
+
+    def prepare(self, ref: ClaimRef) -> PreparedClaim:
+        cdi.check_uid(ref.uid)
+        with self.lock:
+            done = self.store.get(ref.uid)
+            if done is not None and done.phase == PREPARED:
+                self._ensure(done)
+                log.info("claim already prepared claim=%s uid=%s", ref, ref.uid)
+                return done
+        try:
+            claim = self.get_claim(ref.namespace, ref.name)
+        except MpsdError as exc:
+            raise DraError(f"claim {ref}: {one_line(exc)}") from exc
+        except Exception as exc:  # a client library's own error: one line, the kubelet retries
+            raise DraError(f"claim {ref}: API server: {type(exc).__name__}: {one_line(exc)[:300]}") from exc
+        planned = plan_claim(claim, ref, driver=self.driver, node=self.node, pool=self.pool, gpus=self.gpus,
+                             slices_per_gpu=self.slices_per_gpu)
+        with self.lock:
+            done = self.store.get(ref.uid)
+            if done is not None and done.phase == PREPARED:  # prepared meanwhile by a concurrent call
+                return done
+            if done is not None:
+                self._remove(done)  # a rollback that failed before: finish it
+            self.cdi.check()  # refused before anything is written
+            rec = PreparedClaim(
+                uid=ref.uid, namespace=ref.namespace, name=ref.name, results=planned.results,
+                gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
+                client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
+                phase=PREPARING, created=time.time(), pods=planned.pods,
+            )
+            return self._create(rec)
+
+    def unprepare(self, ref: ClaimRef) -> None:
+        cdi.check_uid(ref.uid)
+        with self.lock:
+            rec = self.store.get(ref.uid)
+            if rec is None:
+                log.info("claim not prepared here, nothing to undo claim=%s uid=%s", ref, ref.uid)
+                return
+            self._remove(rec)
+            log.info("claim unprepared claim=%s uid=%s", rec.ref, ref.uid)
+
+    def prepared(self) -> list[PreparedClaim]:
+        return [r for r in self.store.all() if r.phase == PREPARED]
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _create(self, rec: PreparedClaim) -> PreparedClaim:
+        try:
+            directory = fresh_dir(self.paths.region_dir, f"claim-{rec.uid}")
+        except MpsdError as exc:
+            raise DraError(f"claim {rec.ref}: {one_line(exc)}") from exc
+        self.step("directory")
+        rec = replace(rec, region_dir=directory)
+        try:
+            self.store.put(rec)
+            self.step("recorded")
+            self._write_spec(rec)
+            self.step("spec")
+            rec = replace(rec, phase=PREPARED)
+            self.store.put(rec)
+        except (MpsdError, OSError) as exc:
+            self._rollback(rec)
+            raise DraError(f"claim {rec.ref}: {one_line(exc)}") from exc
+        self.step("prepared")
+        log.info(
+            "claim prepared claim=%s uid=%s devices=%s memory_limits=%s thread_percentage=%s region=%s",
+            rec.ref, rec.uid, ",".join(f"{r.pool}/{r.device}" for r in rec.results), rec.memory_limits,
+            rec.active_thread_percentage, os.path.basename(rec.region_dir),
+        )
+        return rec
+
+    def _rollback(self, rec: PreparedClaim) -> None:
+        try:
+            self._remove(rec)
+        except (MpsdError, OSError) as exc:  # the record stays "preparing": removed at the next start
+            log.error("rollback incomplete claim=%s error=%s", rec.ref, one_line(exc))
+
+    def _remove(self, rec: PreparedClaim) -> None:
+        """Spec, directory, then record: a crash in between leaves a record to finish it with."""
+        self.cdi.remove(rec.spec_name)
+        self.step("spec removed")
+        if rec.region_dir:
+            self._remove_dir(rec.region_dir)
+        self.step("directory removed")
+        self.store.remove([rec.uid])
+
+    def _ensure(self, rec: PreparedClaim) -> None:
+        """A prepared claim's directory and spec exist and the spec is what the record says."""
+        if not os.path.isdir(rec.region_dir):
+            log.warning("region directory of a prepared claim missing, re-created claim=%s path=%s",
+                        rec.ref, rec.region_dir)
+            self._make_dir(rec.region_dir)
+        if self.cdi.read(rec.spec_name) != self._spec(rec):
+            log.warning("CDI spec of a prepared claim missing or changed, written again claim=%s", rec.ref)
+            self._write_spec(rec)
+
+    def _spec(self, rec: PreparedClaim) -> dict:
+        nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)
+        return cdi.claim_spec(rec.uid, rec.plan, self.paths, rec.region_dir, client_priority=rec.client_priority,
+                              nodes=nodes)
+
+    def _write_spec(self, rec: PreparedClaim) -> None:
+        self.cdi.write(rec.spec_name, self._spec(rec))
+
+    def _make_dir(self, directory: str) -> None:
+        if os.path.dirname(os.path.abspath(directory)) != os.path.abspath(self.paths.region_dir):
+            raise DraError(f"region directory {directory} is outside regionDir {self.paths.region_dir}")
+        try:
+            os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
+            try:
+                os.mkdir(directory, 0o700)
+            except FileExistsError:
+                if not os.path.isdir(directory) or os.path.islink(directory):
+                    raise
+            os.chmod(directory, 0o777, follow_symlinks=False)  # not in mkdir: the umask would take bits off
+        except OSError as exc:
+            raise DraError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
+
+    def _remove_dir(self, directory: str) -> None:
+        if os.path.dirname(os.path.abspath(directory)) != os.path.abspath(self.paths.region_dir):
+            log.warning("region directory outside regionDir left alone path=%s", directory)
+            return
+        try:
+            shutil.rmtree(directory)
+        except FileNotFoundError:
+            pass
+        except (OSError, RecursionError) as exc:  # a pod's deep tree: what is left is reported, not fatal
+            log.error("region directory not fully removed path=%s error=%s", directory, one_line(exc)[:200])
+
+
+_CLAIM_DIR = re.compile(r"claim-[A-Za-z0-9_.-]{1,128}-[0-9a-f]{12}")
+
+
+def _claim_dirs(region_dir: str) -> list[str]:
+    """Directories in regionDir named as Prepare names them (``claim-<uid>-<random>``)."""
+    try:
+        return sorted(n for n in os.listdir(region_dir) if _CLAIM_DIR.fullmatch(n))
+    except OSError:
+        return []

@@ -1,0 +1,161 @@
+"""The DRA kubelet plugin over real gRPC on unix sockets, driven by a stand-in kubelet built from
+the same protos: registration, NodePrepareResources, NodeUnprepareResources."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from .conftest import DRIVER, StandInKubelet, claim, result
+
+CLAIM = ("ns", "c1", "uid-1")
+
+
+@pytest.fixture
+def served(env):
+    plugins = []
+
+    def start(**kw):
+        p = env.plugin(**kw)
+        p.start()
+        plugins.append(p)
+        return p
+
+    kubelets = []
+
+    def kubelet(p, services=("v1.DRAPlugin", "v1beta1.DRAPlugin")):
+        k = StandInKubelet(p.registration_path, services)
+        kubelets.append(k)
+        return k
+
+    yield start, kubelet
+    for k in kubelets:
+        k.close()
+    for p in plugins:
+        p.stop()
+
+
+def test_registration_as_the_kubelet_sees_it(env, served):
+    start, kubelet = served
+    p = start()
+    assert p.registration_path == str(env.registry_dir / "gpu.mpsd.io-reg.sock")
+    k = kubelet(p)
+    assert k.register() == "v1.DRAPlugin"
+    assert k.info.endpoint == str(env.plugins_dir / DRIVER / "dra.sock")
+    assert list(k.info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert p.registration.notified.wait(10) and p.registration.status == (True, "")
+
+
+def test_prepare_and_unprepare_through_v1(env, served):
+    start, kubelet = served
+    env.claims.put(claim(results=[result(memory="20Gi"), result(device="gpu-1", request="b", memory="4Gi")]))
+    k = kubelet(start())
+    k.register()
+    reply = k.prepare(CLAIM)
+    entry = reply.claims["uid-1"]
+    assert entry.error == ""
+    assert [(d.request_names[0], d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in entry.devices] == [
+        ("gpu", "node-a", "gpu-0", ["mpsd.io/claim=uid-1"]),
+        ("b", "node-a", "gpu-1", ["mpsd.io/claim=uid-1"]),
+    ]
+    assert (env.cdi_dir / "mpsd.io-claim_uid-1.json").exists()
+    assert k.prepare(CLAIM) == reply  # the kubelet's retry: the same answer
+    unprep = k.unprepare(CLAIM)
+    assert "uid-1" in unprep.claims and unprep.claims["uid-1"].error == ""
+    assert os.listdir(env.cdi_dir) == []
+
+
+def test_a_kubelet_that_knows_only_v1beta1_is_served_too(env, served):
+    start, kubelet = served
+    env.claims.put(claim())
+    k = kubelet(start(), services=("v1beta1.DRAPlugin",))
+    assert k.register() == "v1beta1.DRAPlugin"
+    entry = k.prepare(CLAIM).claims["uid-1"]
+    assert list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1"]
+    assert k.unprepare(CLAIM).claims["uid-1"].error == ""
+
+
+def test_one_bad_claim_fails_alone_in_one_line(env, served):
+    start, kubelet = served
+    env.claims.put(claim())
+    env.claims.put(claim(uid="uid-2", name="c2", node="node-b"))
+    k = kubelet(start())
+    k.register()
+    reply = k.prepare(CLAIM, ("ns", "c2", "uid-2"), ("ns", "gone", "uid-3"))
+    assert set(reply.claims) == {"uid-1", "uid-2", "uid-3"}
+    assert reply.claims["uid-1"].error == "" and reply.claims["uid-1"].devices
+    assert "allocated to another node" in reply.claims["uid-2"].error
+    assert "404 Not Found" in reply.claims["uid-3"].error
+    for uid in ("uid-2", "uid-3"):
+        assert "\n" not in reply.claims[uid].error and not reply.claims[uid].devices
+    assert os.listdir(env.cdi_dir) == ["mpsd.io-claim_uid-1.json"]
+
+
+def test_a_slow_api_server_is_bounded_by_the_client_and_nothing_is_half_written(env, served):
+    """The API client's own timeout ends the wait (kubeapi bounds every call); the claim's entry
+    says so and nothing is written. Here the stand-in client times out after 0.5 s."""
+    from mpsd.errors import MpsdError
+
+    start, kubelet = served
+    release = threading.Event()
+
+    def slow(namespace, name):
+        release.wait(0.5)
+        raise MpsdError(f"resourceclaims {namespace}/{name}: API server did not answer within 0.5s")
+
+    p = start()
+    p.preparer.get_claim = slow
+    k = kubelet(p)
+    k.register()
+    t0 = time.monotonic()
+    reply = k.prepare(CLAIM)
+    assert "did not answer within 0.5s" in reply.claims["uid-1"].error
+    assert time.monotonic() - t0 < 25  # bounded: well inside the kubelet's 45 s call timeout
+    assert os.listdir(env.cdi_dir) == [] and p.preparer.store.all() == []
+
+
+def test_a_claim_prepared_before_a_restart_is_unprepared_after_it(env, served):
+    start, kubelet = served
+    env.claims.put(claim())
+    p = start()
+    k = kubelet(p)
+    k.register()
+    assert k.prepare(CLAIM).claims["uid-1"].error == ""
+    p.stop()
+    k2 = kubelet(start())
+    k2.register()
+    assert k2.unprepare(CLAIM).claims["uid-1"].error == ""
+    assert os.listdir(env.cdi_dir) == [] and os.listdir(env.paths.region_dir) == []
+
+
+def test_sockets_deleted_while_running_are_served_again(env, served):
+    start, kubelet = served
+    p = start()
+    os.unlink(p.registration_path)
+    os.unlink(p.socket_path)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (os.path.exists(p.registration_path) and os.path.exists(p.socket_path)):
+        time.sleep(0.05)
+    k = kubelet(p)
+    assert k.register() == "v1.DRAPlugin"
+
+
+def test_stop_removes_the_registration_socket(env, served):
+    start, _ = served
+    p = start()
+    p.stop()
+    assert not os.path.exists(p.registration_path) and not os.path.exists(p.socket_path)
+
+
+def test_a_symlinked_cdi_dir_stops_the_start_in_one_line(env):
+    from mpsd.errors import DraError
+
+    (env.root / "elsewhere").mkdir()
+    env.cdi_dir.symlink_to(env.root / "elsewhere")
+    p = env.plugin()
+    with pytest.raises(DraError, match="is a symlink"):
+        p.start()
+    p.stop()
