@@ -1,0 +1,2 @@
+"""Fixtures of the DRA tests: the stand-in API server and a KUBECONFIG pointing at it."""
+from tests.dra.apiserver import apiserver, kubeconfig  # noqa: F401 (fixtures)
