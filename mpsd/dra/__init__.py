@@ -1,1 +1,1 @@
-"""Dynamic Resource Allocation (DRA): mpsd as the kubelet's DRA driver for GPU slices enforced by MPS and the shim."""
+"""Dynamic Resource Allocation (DRA): mpsd as a DRA driver; ResourceSlices through the API server, claims prepared for the kubelet."""

@@ -34,14 +34,14 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from ..errors import DraError
-from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan, slice_share_bytes, thread_percentage
+from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan
+from .devices import COMPUTE, MEMORY, parse_device_name, slice_compute, slice_memory
 
 CONFIG_API_VERSION = "gpu.mpsd.io/v1alpha1"
 CONFIG_KIND = "ClaimConfig"
 CONFIG_FIELDS = ("apiVersion", "kind", "clientPriority")
-CAPACITIES = ("memory", "compute")
+CAPACITIES = (MEMORY, COMPUTE)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-_DEVICE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})(?:-slice-(0|[1-9][0-9]{0,2}))?")
 _QUANTITY = re.compile(
     r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?"
 )
@@ -100,14 +100,6 @@ def parse_quantity(text: object) -> Fraction:
     else:
         value *= _SUFFIX[suffix]
     return -value if sign == "-" else value
-
-
-def parse_device_name(name: object) -> tuple[int, int | None]:
-    """``gpu-3`` -> (3, None); ``gpu-3-slice-1`` -> (3, 1); ValueError otherwise."""
-    match = _DEVICE.fullmatch(name) if isinstance(name, str) else None
-    if match is None:
-        raise ValueError(f"bad device name {short(name)}: expected gpu-<index> or gpu-<index>-slice-<k>")
-    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
 
 
 def _get(data: Any, *path: str) -> Any:
@@ -229,7 +221,7 @@ def _take(result: Mapping, gpus: Mapping[int, GpuLike], slices_per_gpu: int, whe
         return _Take(gpu, None, memory, compute)
     if k >= slices_per_gpu:
         raise DraError(f"{where}: slice {k} of {slices_per_gpu} per GPU does not exist")
-    return _Take(gpu, k, slice_share_bytes(gpu.memory_total, slices_per_gpu, k), thread_percentage(1, slices_per_gpu))
+    return _Take(gpu, k, slice_memory(gpu.memory_total, slices_per_gpu, k), slice_compute(slices_per_gpu))
 
 
 def _plan(takes: Sequence[_Take], device_ids: tuple[str, ...], ref: ClaimRef) -> Plan:

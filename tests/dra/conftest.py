@@ -30,6 +30,7 @@ from mpsd.plugin.response import HostPaths
 from mpsd.plugin.state import StateStore
 
 from ..plugin.conftest import GIB, gpus  # noqa: F401  (the same fake GPUs as the device plugin's tests)
+from .apiserver import apiserver, kubeconfig  # noqa: F401 (fixtures: the stand-in API server and a KUBECONFIG for it)
 
 DRIVER = "gpu.mpsd.io"
 NODE = "node-a"

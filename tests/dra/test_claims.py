@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from mpsd.dra.claims import ClaimRef, parse_device_name, parse_quantity, plan_claim, selects_node
+from mpsd.dra.claims import ClaimRef, parse_quantity, plan_claim, selects_node
 from mpsd.errors import DraError
 from mpsd.plugin.slicing import slice_share_bytes
 
@@ -33,17 +33,6 @@ def test_quantities(text, value):
 def test_bad_quantities(text):
     with pytest.raises(ValueError, match="bad quantity"):
         parse_quantity(text)
-
-
-@pytest.mark.parametrize("name, parsed", [("gpu-0", (0, None)), ("gpu-12", (12, None)), ("gpu-1-slice-3", (1, 3))])
-def test_device_names(name, parsed):
-    assert parse_device_name(name) == parsed
-
-
-@pytest.mark.parametrize("name", ["gpu", "gpu-01", "gpu-0-slice-", "gpu-0-slice-01", "GPU-0", "gpu-0 ", "x", 3])
-def test_bad_device_names(name):
-    with pytest.raises(ValueError, match="bad device name"):
-        parse_device_name(name)
 
 
 # consumed (memory, compute) -> (limit bytes of the 80 GiB GPU 0, thread percentage)
