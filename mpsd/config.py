@@ -163,6 +163,17 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
+_DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+")
+
+
+def _driver_name(value: Any) -> str:
+    """A DRA driver name as the API server takes it: a lower-case DNS subdomain of at most 63
+    characters with a domain of the vendor's (it names sockets and ResourceSlices too)."""
+    if isinstance(value, str) and len(value) <= 63 and _DRIVER_NAME.fullmatch(value):
+        return value
+    raise ValueError("a DNS subdomain of at most 63 lower-case characters with a dot, e.g. gpu.mpsd.io")
+
+
 def _log_level(value: Any) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
@@ -251,6 +262,19 @@ SETTINGS: tuple[Setting, ...] = (
             "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
     Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm",
             "tmpfs mode: host tmpfs mounted as /dev/shm in daemon and pods"),
+    # DRA: regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu (slices mode) are the device plugin's
+    Setting("dra.enabled", "dra", _bool, False,
+            "serve the DRA kubelet plugin (ResourceClaims prepared with CDI specs)"),
+    Setting("dra.driverName", "dra-driver-name", _driver_name, "gpu.mpsd.io",
+            "DRA driver name: registration, ResourceSlices, claims' results"),
+    Setting("dra.mode", "dra-mode", _choice(("capacity", "slices")), "capacity",
+            "capacity (one device per GPU, consumable memory and compute) | slices (N devices per GPU)"),
+    Setting("dra.pluginsDir", "dra-plugins-dir", _path, "/var/lib/kubelet/plugins",
+            "kubelet plugins directory: the DRA socket is <pluginsDir>/<driverName>/dra.sock"),
+    Setting("dra.registryDir", "dra-registry-dir", _path, "/var/lib/kubelet/plugins_registry",
+            "kubelet plugin registration directory: <driverName>-reg.sock"),
+    Setting("dra.cdiDir", "dra-cdi-dir", _path, "/var/run/cdi",
+            "CDI spec directory the container runtime reads (a real directory, not a symlink)"),
 )
 # fmt: on
 BY_KEY = {s.key: s for s in SETTINGS}
@@ -272,6 +296,16 @@ class DevicePluginConfig:
     shim_host_dir: str
     ipc_mode: str
     shm_dir: str
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    enabled: bool = False
+    driver_name: str = "gpu.mpsd.io"
+    mode: str = "capacity"
+    plugins_dir: str = "/var/lib/kubelet/plugins"
+    registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    cdi_dir: str = "/var/run/cdi"
 
 
 @dataclass(frozen=True)
@@ -297,6 +331,7 @@ class Config:
     log_level: str
     fault_policy: str
     device_plugin: DevicePluginConfig
+    dra: DraConfig = field(default_factory=DraConfig)
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:
@@ -349,7 +384,8 @@ def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, objec
             raise ConfigError(f"{origin[s.key]}: {s.key}: expected {exc}, got {_show(raw[s.key])}") from None
     top = {s.attr: values[s.key] for s in SETTINGS if "." not in s.key}
     plugin = DevicePluginConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("devicePlugin.")})
-    return Config(**top, device_plugin=plugin, source=path)
+    dra = DraConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("dra.")})
+    return Config(**top, device_plugin=plugin, dra=dra, source=path)
 
 
 def read_file(path: str) -> dict[str, Any]:

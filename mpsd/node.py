@@ -12,7 +12,7 @@ from typing import Callable
 
 from . import config as cfg
 from . import dirs
-from .errors import InventoryError, MpsdError, PluginError
+from .errors import InventoryError, MpsdError
 from .exec_regions import ExecRegions
 from .health import HealthBoard
 from .supervisor import Status, Supervisor
@@ -176,18 +176,21 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     )
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
+    dra: PluginRun | None = None
     if metrics is not None:
         live = supervisor.loop_alive.is_set
-        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin))
+        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
     plugin = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
+    dra = _start_dra(config, board, metrics, gpus, stop_plugin) if config.dra.enabled else None
     try:
         return supervisor.run()
     finally:
         stop_plugin.set()
-        if plugin is not None and plugin.thread is not None:
-            plugin.thread.join(10)
+        for run in (plugin, dra):
+            if run is not None and run.thread is not None:
+                run.thread.join(10)
         if server is not None:
             server.close()
         pump.close()
@@ -196,20 +199,21 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
 
 
 class PluginRun:
-    """The device plugin's thread, and why it is not serving if so ("" while it serves)."""
+    """The device plugin's (or the DRA plugin's) thread, and why it is not serving if so ("" while it serves)."""
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self.problem = ""
 
 
-def _ready(board: HealthBoard, plugin: PluginRun | None = None) -> tuple[bool, str]:
-    """Ready: daemon up and configured, and the device plugin (when enabled) serving. A plugin
-    that is down makes only /readyz fail: failing liveness would restart mpsd, and with it the
-    daemon under every running client."""
+def _ready(board: HealthBoard, *plugins: PluginRun | None) -> tuple[bool, str]:
+    """Ready: daemon up and configured, and the device plugin and the DRA plugin (when enabled)
+    serving. A plugin that is down makes only /readyz fail: failing liveness would restart mpsd,
+    and with it the daemon under every running client."""
     state = board.current()
-    if plugin is not None and plugin.problem:
-        return False, plugin.problem
+    for plugin in plugins:
+        if plugin is not None and plugin.problem:
+            return False, plugin.problem
     if state.daemon_up and state.configured:
         return True, ""
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
@@ -232,25 +236,48 @@ def shim_library_path(config: cfg.Config) -> str:
 
 
 def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+    def load():
+        from .plugin import run_plugin
+
+        return run_plugin
+
+    return _start_service("device plugin", load, config, board, metrics, gpus, stop)
+
+
+def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+    def load():
+        from .dra.service import run_dra
+
+        return run_dra
+
+    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop)
+
+
+def _start_service(
+    label: str, load: Callable[[], Callable], config: cfg.Config, board: HealthBoard, metrics, gpus,
+    stop: threading.Event,
+) -> PluginRun:
+    """Run ``load()(config, pipe_dir=..., gpus=..., ...)`` in a thread until ``stop``; a failure
+    to start or a stop nobody asked for is the run's ``problem`` (and the board's last error)."""
     plugin = PluginRun()
     try:
-        from .plugin import run_plugin
+        runner = load()
     except ImportError as exc:
-        plugin.problem = f"device plugin not available: {exc}"
+        plugin.problem = f"{label} not available: {exc}"
         log.error("%s", plugin.problem)
         board.update(last_error=plugin.problem)
         return plugin
     try:
         shim_library = shim_library_path(config)
     except MpsdError as exc:
-        plugin.problem = f"device plugin not started: {exc}"
+        plugin.problem = f"{label} not started: {exc}"
         log.error("%s", plugin.problem)
         board.update(last_error=plugin.problem)
         return plugin
 
     def serve() -> None:
         try:
-            run_plugin(
+            runner(
                 config,
                 pipe_dir=config.pipe_dir,
                 gpus=gpus(),
@@ -260,18 +287,18 @@ def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: t
                 stop=stop,
                 state_dir=config.state_dir,
             )
-        except (PluginError, MpsdError) as exc:
-            plugin.problem = f"device plugin stopped: {exc}"
+        except MpsdError as exc:
+            plugin.problem = f"{label} stopped: {exc}"
         except Exception as exc:  # a bug: the node must not look fine without its plugin
-            log.exception("device plugin failed")
-            plugin.problem = f"device plugin stopped: {type(exc).__name__}: {exc}"
+            log.exception("%s failed", label)
+            plugin.problem = f"{label} stopped: {type(exc).__name__}: {exc}"
         else:
             if not stop.is_set():
-                plugin.problem = "device plugin stopped without being asked to"
+                plugin.problem = f"{label} stopped without being asked to"
         if plugin.problem:
             log.error("%s", plugin.problem)
             board.update(last_error=plugin.problem)
 
-    plugin.thread = threading.Thread(target=serve, name="device-plugin", daemon=True)
+    plugin.thread = threading.Thread(target=serve, name=label.replace(" ", "-").lower(), daemon=True)
     plugin.thread.start()
     return plugin

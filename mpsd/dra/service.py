@@ -1,0 +1,89 @@
+"""``mpsd run`` with dra.enabled: the DRA kubelet plugin wired to the API server.
+
+Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's run_plugin)::
+
+    run_dra(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, api=None)
+
+- the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
+  its pool has the node's name (mpsd/dra/slices.py publishes it so);
+- claims are read through ``api.get_resource_claim`` (mpsd/dra/kubeapi.py, from the service
+  account or KUBECONFIG; each call bounded by API_TIMEOUT);
+- regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu are the device plugin's settings,
+  the state ``<stateDir>/dra-state.json``; the shim is installed into shimHostDir as the device
+  plugin installs it.
+
+Raises DraError (or KubeAPIError) when it cannot start; stops serving when ``stop`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Mapping, Sequence
+
+from ..health import HealthBoard
+from ..plugin.response import SHIM_NAME, HostPaths
+from ..plugin.slicing import GpuLike
+from ..plugin.state import StateStore, install_file
+from .cdi import CdiDir
+from .kubeletplugin import DraPlugin
+from .prepared import PreparedClaim, Preparer
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "dra-state.json"
+API_TIMEOUT = 5.0  # per API server call: 16 claims on 8 workers stay inside the kubelet's 45 s
+
+
+def node_name(environ: Mapping[str, str] = os.environ) -> str:
+    return environ.get("NODE_NAME") or socket.gethostname()
+
+
+def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str) -> DraPlugin:
+    """The plugin for ``config`` (a whole mpsd Config), not started."""
+    dp, dra = config.device_plugin, config.dra
+    paths = HostPaths(pipe_dir=pipe_dir, region_dir=dp.region_dir, shim_host_dir=dp.shim_host_dir,
+                      ipc_mode=dp.ipc_mode, shm_dir=dp.shm_dir)
+    preparer = Preparer(
+        driver=dra.driver_name, node=node, pool=node, gpus=gpus, slices_per_gpu=dp.slices_per_gpu, paths=paths,
+        cdi_dir=CdiDir(dra.cdi_dir), store=StateStore(os.path.join(state_dir, STATE_FILE), record=PreparedClaim),
+        get_claim=get_claim,
+    )
+    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir)
+
+
+def run_dra(
+    config,
+    *,
+    pipe_dir: str,
+    gpus: Sequence[GpuLike],
+    board: HealthBoard,
+    metrics: object | None,
+    shim_library: str,
+    stop: threading.Event,
+    state_dir: str | None = None,
+    api=None,
+) -> None:
+    """Serve the DRA plugin until ``stop`` is set (see the module docstring)."""
+    state_dir = state_dir or config.state_dir
+    own_api = api is None
+    if own_api:
+        from .kubeapi import KubeAPI
+
+        api = KubeAPI.from_environment(timeout=API_TIMEOUT)
+    node = node_name()
+    try:
+        plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
+                       node=node)
+        dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
+        log.info("shim installed source=%s dest=%s", shim_library, dest)
+        try:
+            plugin.start()
+            stop.wait()
+        finally:
+            plugin.stop()
+    finally:
+        if own_api:
+            api.close()
