@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 MAX_ERROR_LABEL = 200  # characters of the last error kept as a label value
 ALLOCATION_LABELS = ("allocation", "pod", "namespace", "container", "gpu")
+CLAIM_LABELS = ("claim", "namespace", "pod", "gpu")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,19 @@ class AllocationUsage:
     container: str
     gpu: int | str
     limit_bytes: int
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class ClaimUsage:
+    """One prepared DRA claim on one GPU: what it consumed and what its processes use now."""
+
+    claim: str
+    namespace: str
+    pod: str  # the pods of status.reservedFor, comma-separated
+    gpu: int | str
+    memory_bytes: int  # consumed: the cap of all its containers together
+    compute_percent: float  # consumed: the active thread percentage
     used_bytes: int
 
 
@@ -118,6 +132,24 @@ class Metrics:
             registry=r,
         )
 
+        self.claim_memory = Gauge(
+            "mpsd_claim_memory_bytes",
+            "Device memory a prepared DRA claim consumed: the cap its containers share",
+            list(CLAIM_LABELS),
+            registry=r,
+        )
+        self.claim_compute = Gauge(
+            "mpsd_claim_compute_percent",
+            "Active thread percentage (percent of SMs) a prepared DRA claim consumed",
+            list(CLAIM_LABELS),
+            registry=r,
+        )
+        self.claim_used = Gauge(
+            "mpsd_claim_memory_used_bytes",
+            "Device memory the processes of a prepared DRA claim hold now (shim accounting)",
+            list(CLAIM_LABELS),
+            registry=r,
+        )
         self.mps_servers_faulted = Gauge(
             "mpsd_mps_servers_faulted", "MPS servers in FAULT at the last health check", registry=r
         )
@@ -255,6 +287,19 @@ class Metrics:
         with self._lock:
             self._replace(self.allocation_limit, limits)
             self._replace(self.allocation_used, used)
+
+    def set_claims(self, rows: Iterable[ClaimUsage]) -> None:
+        """The prepared DRA claims as read now; replaces the last set (an unprepared claim's series go)."""
+        memory: dict[tuple[str, ...], float] = {}
+        compute: dict[tuple[str, ...], float] = {}
+        used: dict[tuple[str, ...], float] = {}
+        for row in rows:
+            key = (row.claim, row.namespace, row.pod, str(row.gpu))
+            memory[key], compute[key], used[key] = float(row.memory_bytes), row.compute_percent, float(row.used_bytes)
+        with self._lock:
+            self._replace(self.claim_memory, memory)
+            self._replace(self.claim_compute, compute)
+            self._replace(self.claim_used, used)
 
     # -- mpsd exec regions ---------------------------------------------------------------
 

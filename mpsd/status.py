@@ -11,9 +11,11 @@ from typing import Any
 
 from . import config as cfg
 from .control import Control, PsEntry
-from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError
+from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError, MpsdError
 from .node import LOG_FORMAT, open_inventory
 from .units import format_size
+
+log = logging.getLogger(__name__)
 
 
 def collect_status(config: cfg.Config, control: Control | None = None, inventory=None) -> dict[str, Any]:
@@ -48,6 +50,7 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
     except ControlError as exc:
         out["daemon"] = "unhealthy" if out["daemon"] == "up" else "down"
         out["error"] = str(exc)
+    out["claims"] = _claims(config)
     own = inventory is None
     if own:
         inventory = open_inventory(config)
@@ -64,6 +67,35 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
             if own:
                 inventory.close()
     return out
+
+
+def _claims(config: cfg.Config) -> list[dict[str, Any]]:
+    """The DRA claims prepared on this node (from the DRA plugin's state file), as plain data."""
+    try:
+        from .dra.service import read_prepared
+
+        claims = read_prepared(config.state_dir)
+    except (ImportError, OSError, MpsdError) as exc:
+        log.warning("prepared DRA claims unreadable: %s", exc)
+        return []
+    return [
+        {"namespace": c.namespace, "name": c.name, "uid": c.uid, "pods": list(c.pods),
+         "gpus": [{"index": g.index, "memoryLimit": g.memory_limit} for g in c.gpus],
+         "activeThreadPercentage": c.active_thread_percentage, "regionDir": c.region_dir}
+        for c in claims
+    ]
+
+
+def _render_claims(claims: list[dict[str, Any]]) -> list[str]:
+    if not claims:
+        return []
+    lines = [f"{'CLAIM':<40} {'GPU':<6} {'MEMORY':>10} {'COMPUTE':>8}  PODS"]
+    for c in claims:
+        gpus = ",".join(str(g["index"]) for g in c["gpus"])
+        memory = ",".join(f"{g['memoryLimit'] >> 20}M" for g in c["gpus"])
+        lines.append(f"{c['namespace'] + '/' + c['name']:<40} {gpus:<6} {memory:>10} "
+                     f"{c['activeThreadPercentage']:>7g}%  {','.join(c['pods']) or '-'}")
+    return lines
 
 
 def render_status(data: dict[str, Any]) -> str:
@@ -86,6 +118,7 @@ def render_status(data: dict[str, Any]) -> str:
             f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB"
         )
     lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
+    lines += _render_claims(data.get("claims", []))
     if not data["clients"]:
         lines.append("clients: none")
         return "\n".join(lines)

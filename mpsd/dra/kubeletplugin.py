@@ -35,6 +35,7 @@ from . import (
     pluginregistration_pb2_grpc,
 )
 from .claims import ClaimRef
+from .claimusage import ClaimUsageReader
 from .prepared import PreparedClaim, Preparer
 
 log = logging.getLogger(__name__)
@@ -170,10 +171,12 @@ class _Socket:
 
 
 class DraPlugin:
-    def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0):
+    def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0,
+                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0):
         driver = preparer.driver
         self.preparer = preparer
         self.poll_interval = poll_interval
+        self.usage, self.usage_interval = usage, usage_interval  # per-claim metrics, every usage_interval
         self.socket_path = os.path.abspath(os.path.join(plugins_dir, driver, DRA_SOCKET))
         self.registration_path = os.path.abspath(os.path.join(registry_dir, registration_socket_name(driver)))
         self.registration = RegistrationServicer(driver, self.socket_path)
@@ -191,7 +194,7 @@ class DraPlugin:
         self._dra = _Socket(self.socket_path, add_dra, WORKERS + 2)
         self._reg = _Socket(self.registration_path, add_registration, 2)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         """Converge the prepared claims, then serve: the DRA socket before the registration socket
@@ -202,8 +205,13 @@ class DraPlugin:
         self.preparer.recover()
         self._dra.serve()
         self._reg.serve()
-        self._thread = threading.Thread(target=self._watch, name="mpsd-dra-watch", daemon=True)
-        self._thread.start()
+        loops = [("mpsd-dra-watch", self._watch)]
+        if self.usage is not None:
+            loops.append(("mpsd-dra-usage", self._usage_loop))
+        for name, target in loops:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
         log.info("DRA plugin started driver=%s node=%s socket=%s registration=%s prepared=%d",
                  self.preparer.driver, self.preparer.node, self.socket_path, self.registration_path,
                  len(self.preparer.prepared()))
@@ -211,8 +219,9 @@ class DraPlugin:
     def stop(self) -> None:
         """Deregister (the registration socket goes first), stop serving; prepared claims stay."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads.clear()
         self._reg.stop()
         self._dra.stop()
         self._pool.shutdown(wait=True)
@@ -222,6 +231,15 @@ class DraPlugin:
     def check(self) -> None:
         self._dra.check()
         self._reg.check()
+
+    def _usage_loop(self) -> None:
+        while True:
+            try:
+                self.usage.tick()
+            except Exception:
+                log.exception("DRA claim usage round failed")
+            if self._stop.wait(self.usage_interval):
+                return
 
     def _watch(self) -> None:
         last = ""

@@ -17,9 +17,12 @@ Raises DraError (or KubeAPIError) when it cannot start; stops serving when ``sto
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from typing import Mapping, Sequence
 
@@ -27,9 +30,11 @@ from ..health import HealthBoard
 from ..plugin.response import SHIM_NAME, HostPaths
 from ..plugin.slicing import GpuLike
 from ..plugin.state import StateStore, install_file
+from ..plugin.usage import shim_usage
 from .cdi import CdiDir
+from .claimusage import ClaimUsageReader
 from .kubeletplugin import DraPlugin
-from .prepared import PreparedClaim, Preparer
+from .prepared import PREPARED, PreparedClaim, Preparer
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +42,33 @@ STATE_FILE = "dra-state.json"
 API_TIMEOUT = 5.0  # per API server call: 16 claims on 8 workers stay inside the kubelet's 45 s
 
 
+def read_prepared(state_dir: str) -> list[PreparedClaim]:
+    """The prepared claims in ``<state_dir>/dra-state.json`` as ``mpsd status`` shows them, read
+    from a private copy of the snapshot and journal: loading a damaged file moves it aside, which
+    must not happen to the files a running mpsd writes."""
+    source = os.path.join(state_dir, STATE_FILE)
+    with tempfile.TemporaryDirectory(prefix="mpsd-status-") as tmp:
+        for suffix in ("", ".journal"):
+            try:
+                shutil.copyfile(source + suffix, os.path.join(tmp, STATE_FILE + suffix), follow_symlinks=False)
+            except OSError:
+                continue
+        store = StateStore(os.path.join(tmp, STATE_FILE), record=PreparedClaim)
+        try:
+            store.load()
+        finally:
+            store.close()
+        return [c for c in store.all() if c.phase == PREPARED]
+
+
 def node_name(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get("NODE_NAME") or socket.gethostname()
 
 
-def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str) -> DraPlugin:
-    """The plugin for ``config`` (a whole mpsd Config), not started."""
+def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
+          metrics=None, shim_library: str | None = None) -> DraPlugin:
+    """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
+    series every 10 s (regions read through ``shim_library``)."""
     dp, dra = config.device_plugin, config.dra
     paths = HostPaths(pipe_dir=pipe_dir, region_dir=dp.region_dir, shim_host_dir=dp.shim_host_dir,
                       ipc_mode=dp.ipc_mode, shm_dir=dp.shm_dir)
@@ -51,7 +77,10 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
         cdi_dir=CdiDir(dra.cdi_dir), store=StateStore(os.path.join(state_dir, STATE_FILE), record=PreparedClaim),
         get_claim=get_claim,
     )
-    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir)
+    usage = None
+    if metrics is not None:
+        usage = ClaimUsageReader(preparer.prepared, functools.partial(shim_usage, library=shim_library), metrics)
+    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage)
 
 
 def run_dra(
@@ -76,7 +105,7 @@ def run_dra(
     node = node_name()
     try:
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
-                       node=node)
+                       node=node, metrics=metrics, shim_library=shim_library)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         try:

@@ -1,0 +1,59 @@
+"""Per-claim metrics: what each prepared claim consumed (its cap and thread percentage) and what
+its processes hold now in its shim region, one row per claim and GPU for ``Metrics.set_claims``.
+
+The region is read through the device plugin's reader (mpsd.plugin.usage.shim_usage: a private
+copy of a pod's file, refused when it is a symlink, a FIFO or too large)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Iterable, Mapping
+
+from ..metrics import ClaimUsage
+from ..plugin.usage import UsageReader
+from .prepared import PreparedClaim
+
+log = logging.getLogger(__name__)
+
+REGION_NAME = "region"
+
+
+def claim_rows(claims: Iterable[PreparedClaim], used: Mapping[str, Mapping[int, int]]) -> list[ClaimUsage]:
+    """``used``: claim UID -> bytes per ordinal its containers see. GPUs labelled by host index."""
+    return [
+        ClaimUsage(
+            claim=c.name, namespace=c.namespace, pod=",".join(sorted(c.pods)), gpu=g.index,
+            memory_bytes=g.memory_limit, compute_percent=c.active_thread_percentage,
+            used_bytes=int(used.get(c.uid, {}).get(g.ordinal, 0)),
+        )
+        for c in claims
+        for g in c.gpus
+    ]
+
+
+class ClaimUsageReader:
+    """One round: read every prepared claim's region, push the rows. A region that cannot be
+    read counts as 0 used, with one warning per directory."""
+
+    def __init__(self, prepared: Callable[[], list[PreparedClaim]], reader: UsageReader, metrics) -> None:
+        self.prepared, self.reader, self.metrics = prepared, reader, metrics
+        self._warned: set[str] = set()
+
+    def tick(self) -> list[ClaimUsage]:
+        claims = self.prepared()
+        used = {c.uid: self._read(c) for c in claims}
+        rows = claim_rows(claims, used)
+        if self.metrics is not None:
+            self.metrics.set_claims(rows)
+        return rows
+
+    def _read(self, claim: PreparedClaim) -> Mapping[int, int]:
+        path = os.path.join(claim.region_dir, REGION_NAME)
+        try:
+            return self.reader(path)
+        except Exception as exc:  # a pod's damaged region must not stop the others
+            if path not in self._warned:
+                self._warned.add(path)
+                log.warning("cannot read usage claim=%s/%s path=%s error=%s", claim.namespace, claim.name, path, exc)
+            return {}
