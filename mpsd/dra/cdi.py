@@ -7,7 +7,9 @@ applies its containerEdits.
 removes the files: cdiDir must be a real directory (not a symlink) that mpsd can write; every
 file is opened relative to a descriptor of that directory with O_NOFOLLOW, written to a
 temporary name, fsync'd and renamed over the final name (a runtime reading it sees the old
-file or the new one, never half of one), and the directory is fsync'd.
+file or the new one, never half of one). The directory is not fsync'd: the prepared claim's
+record (mpsd/dra/prepared.py) is the durable truth, and a start writes a spec again that a
+crash lost.
 
 cdiVersion 0.5.0: the newest version the CDI library in Debian 12's podman (4.3.1) reads;
 containerd and CRI-O read it as well. The spec uses only what 0.5.0 has (env, mounts,
@@ -160,7 +162,6 @@ class CdiDir:
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            os.fsync(dir_fd)
         except OSError as exc:
             _unlink(tmp, dir_fd)
             raise DraError(f"cannot write CDI spec {os.path.join(self.path, name)}: {exc.strerror or exc}") from exc
@@ -196,7 +197,6 @@ class CdiDir:
         dir_fd = self._open()
         try:
             os.unlink(name, dir_fd=dir_fd)
-            os.fsync(dir_fd)
         except FileNotFoundError:
             pass
         except OSError as exc:

@@ -3,17 +3,17 @@
 Each claim has one record in the device plugin's journaled store (mpsd.plugin.state.StateStore,
 its own file ``dra-state.json`` in stateDir), one allocation directory in regionDir (fresh, mode
 0777, shared by all containers of the claim: one region, one cap) and one CDI spec in cdiDir.
-The steps of a Prepare, each durable before the next:
+The steps of a Prepare:
 
-1. the record, phase ``preparing`` (the directory and spec names it will use);
-2. the directory (mpsd.plugin.servicer.fresh_dir, as Allocate makes its own);
-3. the CDI spec (atomic);
-4. the record, phase ``prepared``; only then the answer.
+1. the directory (mpsd.plugin.servicer.fresh_dir, as Allocate makes its own:
+   ``claim-<uid>-<random>``);
+2. the CDI spec (temporary file, fsync, rename);
+3. the record, one journal line fdatasync'd; only then the answer.
 
-A crash at any step leaves a record that says what may exist: at the next start a ``preparing``
-record is rolled back (spec and directory removed, record dropped; the kubelet asks again and
-gets a fresh preparation), a ``prepared`` one is kept and its directory or spec re-created if
-missing (a reboot empties /var/run/cdi and a tmpfs regionDir). Prepare of a prepared claim
+The record is the truth. A crash before it leaves a directory and maybe a spec that no record
+names: the next start removes them (the kubelet asks again and gets a fresh preparation). A
+recorded claim is kept, and its directory or spec re-created if missing or changed (a reboot
+empties /var/run/cdi and a tmpfs regionDir), so neither needs a directory fsync of its own. Prepare of a prepared claim
 answers the same CDI device again (the kubelet retries); Unprepare removes spec, directory,
 then record, and a claim it does not know is already unprepared.
 """
@@ -39,7 +39,7 @@ from .claims import ClaimRef, Result, plan_claim
 
 log = logging.getLogger(__name__)
 
-PREPARING, PREPARED = "preparing", "prepared"
+PREPARED = "prepared"  # the only phase written; a record of another is rolled back at start
 GetClaim = Callable[[str, str], Any]  # (namespace, name) -> the ResourceClaim as a dict
 
 
@@ -133,13 +133,12 @@ class Preparer:
     # -- start ------------------------------------------------------------------------------
 
     def recover(self) -> None:
-        """Converge after a restart: roll back what was being prepared, re-create what a prepared
-        claim lost, and remove specs and claim directories of ours that no record names (a crash
-        between making a directory and recording it)."""
+        """Converge after a restart: re-create what a prepared claim lost, and remove specs and claim
+        directories of ours that no record names (a crash before the record was written)."""
         with self.lock:
             for rec in self.store.all():
                 if rec.phase != PREPARED:
-                    log.warning("claim preparation interrupted, rolled back claim=%s uid=%s", rec.ref, rec.uid)
+                    log.warning("claim record of phase %r rolled back claim=%s uid=%s", rec.phase, rec.ref, rec.uid)
                     self._remove(rec)
                     continue
                 try:
@@ -186,7 +185,7 @@ class Preparer:
                 uid=ref.uid, namespace=ref.namespace, name=ref.name, results=planned.results,
                 gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
                 client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
-                phase=PREPARING, created=time.time(), pods=planned.pods,
+                phase=PREPARED, created=time.time(), pods=planned.pods,
             )
             return self._create(rec)
 
@@ -213,11 +212,8 @@ class Preparer:
         self.step("directory")
         rec = replace(rec, region_dir=directory)
         try:
-            self.store.put(rec)
-            self.step("recorded")
             self._write_spec(rec)
             self.step("spec")
-            rec = replace(rec, phase=PREPARED)
             self.store.put(rec)
         except (MpsdError, OSError) as exc:
             self._rollback(rec)
@@ -233,7 +229,7 @@ class Preparer:
     def _rollback(self, rec: PreparedClaim) -> None:
         try:
             self._remove(rec)
-        except (MpsdError, OSError) as exc:  # the record stays "preparing": removed at the next start
+        except (MpsdError, OSError) as exc:  # no record names them: removed at the next start
             log.error("rollback incomplete claim=%s error=%s", rec.ref, one_line(exc))
 
     def _remove(self, rec: PreparedClaim) -> None:

@@ -170,7 +170,7 @@ def run_and_kill(env, call, step):
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("step", ["directory", "recorded", "spec", "prepared"])
+@pytest.mark.parametrize("step", ["directory", "spec", "prepared"])
 def test_killed_during_prepare_the_next_start_converges(env, step):
     """SIGKILL after each step of Prepare: the restarted mpsd leaves either nothing (rolled back:
     the kubelet asks again and gets a fresh preparation) or the prepared claim, never a leak."""
