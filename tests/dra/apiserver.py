@@ -11,7 +11,7 @@ process, as small as the driver needs, speaking the API's paths, status objects 
   is answered 422 Invalid *and* kept in ``invalid``: the ``apiserver`` fixture fails the test.
 - Faults: ``delay`` (seconds before each answer), ``refuse`` (close the connection without
   an answer), ``stop()``/``start()`` (nothing listens on the port), ``fail`` (answer the next
-  requests of a method with a status code).
+  requests of a method with these status codes; None serves one normally).
 - Bearer token required; ``tls=True`` serves HTTPS with a fresh self-signed certificate
   (openssl) whose CA file a KUBECONFIG can name.
 """
@@ -99,7 +99,7 @@ class StandInAPIServer:
         self.invalid: list[str] = []
         self.delay = 0.0
         self.refuse = False
-        self.fail: dict[str, list[int]] = {}  # method -> status codes for its next requests
+        self.fail: dict[str, list[int | None]] = {}  # method -> status codes of its next requests (None: serve)
         self.lock = threading.RLock()
         self._version = 0
         self._stopping = threading.Event()
@@ -155,9 +155,8 @@ class StandInAPIServer:
         parts = urlsplit(url)
         with self.lock:
             self.requests.append((method, url))
-            codes = self.fail.get(method)
-            if codes:
-                code = codes.pop(0)
+            code = self.fail[method].pop(0) if self.fail.get(method) else None
+            if code is not None:
                 return code, status(code, "InternalError" if code >= 500 else "Injected", f"injected {code}")
             if m := _CLAIM.fullmatch(parts.path):
                 if method != "GET":
