@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..errors import KubeAPIError
-from .slices import GpuLike, build_devices, build_slices, comparable
+from .slices import GpuLike, build_devices, build_slices, comparable, node_owner
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ class SliceAPI(Protocol):
 
 class SlicePublisher:
     def __init__(self, api: SliceAPI, driver_name: str, node_name: str, mode: str, slices_per_gpu: int,
-                 resync_interval: float = DEFAULT_RESYNC_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
-        self.api, self.driver, self.node = api, driver_name, node_name
+                 resync_interval: float = DEFAULT_RESYNC_INTERVAL, clock: Callable[[], float] = time.monotonic,
+                 node_uid: str | None = None) -> None:
+        """``node_uid``: the Node's metadata.uid (KubeAPI.get_node_uid); with it the slices are
+        owned by the Node, and the garbage collector deletes them when the node is deleted."""
+        self.api, self.driver, self.node, self.node_uid = api, driver_name, node_name, node_uid
         self.mode, self.slices_per_gpu = mode, slices_per_gpu
         self.resync_interval, self._clock = resync_interval, clock
         self.generation = 0  # of the pool as last written or seen
@@ -68,11 +71,12 @@ class SlicePublisher:
         existing = sorted(self.api.list_resource_slices(self.driver, self.node), key=lambda s: s["metadata"]["name"])
         generations = [s["spec"]["pool"]["generation"] for s in existing]
         self.generation = max([self.generation, *generations])
-        new = build_slices(devices, self.driver, self.node, self.generation + 1)
+        new = build_slices(devices, self.driver, self.node, self.generation + 1, self.node_uid)
         if self._current(existing, want, len(new)):
             return False
         for obj, old in zip(new, existing, strict=False):  # the shorter: updated in place
-            obj["metadata"] = {k: v for k, v in old["metadata"].items() if k != "managedFields"}
+            kept = {k: v for k, v in old["metadata"].items() if k not in ("managedFields", "ownerReferences")}
+            obj["metadata"] = {**kept, **{k: v for k, v in obj["metadata"].items() if k == "ownerReferences"}}
             self.api.update_resource_slice(obj)
         for obj in new[len(existing):]:
             self.api.create_resource_slice(obj)
@@ -90,6 +94,9 @@ class SlicePublisher:
         pools = {(s["spec"]["pool"]["name"], s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"])
                  for s in existing}
         if pools != {(self.node, self.generation, count)}:
+            return False
+        owners = node_owner(self.node, self.node_uid) if self.node_uid else None
+        if owners and any(s["metadata"].get("ownerReferences") != owners for s in existing):
             return False
         have = [d for s in existing for d in comparable(s["spec"].get("devices") or [])]
         return sorted(have, key=lambda d: d["name"]) == want

@@ -153,14 +153,23 @@ def slice_name_prefix(node: str, driver: str) -> str:
     return f"{node}-{driver}"[:240] + "-"
 
 
-def build_slices(devices: list[Obj], driver: str, node: str, generation: int) -> list[Obj]:
+def node_owner(node: str, uid: str) -> list[Obj]:
+    """``ownerReferences`` naming the Node: the garbage collector deletes the slices with it."""
+    return [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": True}]
+
+
+def build_slices(devices: list[Obj], driver: str, node: str, generation: int, node_uid: str | None = None) -> list[Obj]:
     """The pool's ResourceSlices: ceil(len/128) of them (one, empty, for no devices), all with
-    ``generation`` and the count, no names (``generateName``; the publisher reuses names)."""
+    ``generation`` and the count, no names (``generateName``; the publisher reuses names),
+    owned by the Node when its ``node_uid`` is known."""
     chunks = [devices[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)] or [[]]
+    metadata: Obj = {"generateName": slice_name_prefix(node, driver)}
+    if node_uid:
+        metadata["ownerReferences"] = node_owner(node, node_uid)
     return [{
         "apiVersion": API_VERSION,
         "kind": "ResourceSlice",
-        "metadata": {"generateName": slice_name_prefix(node, driver)},
+        "metadata": dict(metadata),
         "spec": {
             "driver": driver,
             "nodeName": node,

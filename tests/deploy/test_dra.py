@@ -81,14 +81,15 @@ def test_the_device_class_selects_the_configured_driver() -> None:
     assert selector["cel"]["expression"] == f'device.driver == "{config()["dra"]["driverName"]}"'
 
 
-def test_rbac_grants_slices_and_claim_reads_to_the_daemonsets_account_only() -> None:
+def test_rbac_grants_slices_claim_and_node_reads_to_the_daemonsets_account_only() -> None:
     objects = rendered(DRA)
     role = one(objects, "ClusterRole", "mpsd-dra")
     assert {(tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]} == {
         (("resourceslices",), ("create", "delete", "get", "list", "update", "watch")),
         (("resourceclaims",), ("get", "list", "watch")),
+        (("nodes",), ("get",)),
     }
-    assert all(r["apiGroups"] == ["resource.k8s.io"] for r in role["rules"])
+    assert [r["apiGroups"] for r in role["rules"]] == [["resource.k8s.io"], ["resource.k8s.io"], [""]]
     binding = one(objects, "ClusterRoleBinding", "mpsd-dra")
     account = one(objects, "ServiceAccount", ds_spec()["serviceAccountName"])
     assert binding["roleRef"]["name"] == "mpsd-dra"

@@ -1,7 +1,7 @@
 """A stand-in Kubernetes API server for the DRA driver's tests: an HTTP(S) server in the test
 process, as small as the driver needs, speaking the API's paths, status objects and selectors.
 
-- ResourceClaims: tests put them in (``put_claim``); GET one.
+- ResourceClaims: tests put them in (``put_claim``); GET one. Nodes (``nodes``): GET one.
 - ResourceSlices: list (``fieldSelector`` on spec.driver, spec.nodeName, spec.pool.name,
   metadata.name; ``labelSelector`` k=v), get, create (``generateName`` honoured), replace
   (``resourceVersion`` checked: a stale one is 409 Conflict), delete.
@@ -41,6 +41,7 @@ BASE = "/apis/resource.k8s.io/v1"
 TOKEN = "mpsd-test-token"
 _CLAIM = re.compile(rf"{BASE}/namespaces/([^/]+)/resourceclaims/([^/]+)")
 _SLICES = re.compile(rf"{BASE}/resourceslices(?:/([^/]+))?")
+_NODE = re.compile(r"/api/v1/nodes/([^/]+)")
 SLICE_FIELDS = {"spec.driver", "spec.nodeName", "spec.pool.name", "metadata.name"}
 
 Obj = dict[str, Any]
@@ -95,6 +96,7 @@ class StandInAPIServer:
         self.token = token
         self.claims: dict[tuple[str, str], Obj] = {}
         self.slices: dict[str, Obj] = {}
+        self.nodes: dict[str, Obj] = {}  # name -> Node (tests put them in; GET only)
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
         self.invalid: list[str] = []
         self.delay = 0.0
@@ -165,6 +167,9 @@ class StandInAPIServer:
                 if claim is None:
                     return 404, status(404, "NotFound", f'resourceclaims.resource.k8s.io "{m.group(2)}" not found')
                 return 200, claim
+            if (m := _NODE.fullmatch(parts.path)) and method == "GET":
+                node = self.nodes.get(m.group(1))
+                return (200, node) if node else (404, status(404, "NotFound", f'nodes "{m.group(1)}" not found'))
             if m := _SLICES.fullmatch(parts.path):
                 return self._slices(method, m.group(1), parse_qs(parts.query), body)
         return 404, status(404, "NotFound", f"the server could not find the requested resource {parts.path}")

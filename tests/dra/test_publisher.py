@@ -179,3 +179,25 @@ def test_the_nodes_gpus_from_nvml_are_published(apiserver: StandInAPIServer, api
     assert t4["attributes"]["computeCapability"] == {"version": "7.5.0"}
     assert t4["attributes"]["driverVersion"] == {"version": "580.95.5"}
     assert t4["capacity"]["memory"]["value"] == "15Gi"
+
+
+NODE_OBJ = {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": NODE, "uid": "3f1a2b4c-5d6e-4f70-8192-a3b4c5d6e7f8"}}
+
+
+def test_slices_are_owned_by_the_node_when_its_uid_is_known(apiserver: StandInAPIServer, api: KubeAPI) -> None:
+    apiserver.nodes[NODE] = NODE_OBJ
+    uid = api.get_node_uid(NODE)
+    assert uid == NODE_OBJ["metadata"]["uid"]
+    publisher(api).publish([GPU0])  # an older mpsd: no owner
+    owned = SlicePublisher(api, DRIVER, NODE, "capacity", 10, node_uid=uid)
+    assert owned.publish([GPU0]) is True  # same devices, but the owner is missing: rewritten
+    (slice_obj,) = apiserver.pool_slices(DRIVER, NODE)
+    assert slice_obj["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": uid, "controller": True}]
+    assert SlicePublisher(api, DRIVER, NODE, "capacity", 10, node_uid=uid).publish([GPU0]) is False
+
+
+def test_an_unknown_node_is_one_line(apiserver: StandInAPIServer, api: KubeAPI) -> None:
+    with pytest.raises(KubeAPIError, match="get Node node-x: API server answered 404"):
+        api.get_node_uid("node-x")
