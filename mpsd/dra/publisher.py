@@ -8,7 +8,9 @@ surplus ones deleted last. A conflict (409: someone changed a slice between the 
 write) is retried once from a fresh list. A failure raises KubeAPIError and caches nothing:
 the next publish starts over and converges, whatever was half-written. While the devices
 are unchanged, publish makes no API call at all for ``resync_interval`` seconds, then checks
-again (a slice deleted behind mpsd's back, e.g. by the kubelet, is written again).
+again (a slice deleted behind mpsd's back is written again: the kubelet deletes a driver's slices
+30 s after its plugin goes away, and all of the node's when it starts; ``invalidate()`` on a
+registration checks at once).
 ``remove()`` deletes the node's slices on shutdown.
 """
 
@@ -24,7 +26,7 @@ from .slices import GpuLike, build_devices, build_slices, comparable, node_owner
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RESYNC_INTERVAL = 300.0
+DEFAULT_RESYNC_INTERVAL = 60.0  # the kubelet may wipe an unregistered driver's slices: back within a minute
 
 Obj = dict[str, Any]
 
@@ -100,6 +102,11 @@ class SlicePublisher:
             return False
         have = [d for s in existing for d in comparable(s["spec"].get("devices") or [])]
         return sorted(have, key=lambda d: d["name"]) == want
+
+    def invalidate(self) -> None:
+        """Check the server at the next publish (the kubelet (re-)registered the plugin: at its
+        start it deletes every slice of the node, so they may be gone)."""
+        self._published = None
 
     def remove(self) -> int:
         """Delete the node's slices of the driver (shutdown); the number deleted."""

@@ -201,3 +201,13 @@ def test_slices_are_owned_by_the_node_when_its_uid_is_known(apiserver: StandInAP
 def test_an_unknown_node_is_one_line(apiserver: StandInAPIServer, api: KubeAPI) -> None:
     with pytest.raises(KubeAPIError, match="get Node node-x: API server answered 404"):
         api.get_node_uid("node-x")
+
+
+def test_invalidate_makes_the_next_publish_check_at_once(apiserver: StandInAPIServer, api: KubeAPI) -> None:
+    pub = publisher(api)
+    pub.publish([GPU0])
+    apiserver.slices.clear()  # the kubelet restarted and wiped the node's slices
+    assert pub.publish([GPU0]) is False  # within the resync interval: not seen
+    pub.invalidate()  # the kubelet registered the plugin again
+    assert pub.publish([GPU0]) is True
+    assert pool(apiserver) == ({(2, 1)}, ["gpu-0"])
