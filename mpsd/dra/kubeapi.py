@@ -32,6 +32,7 @@ from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.resources.core_v1 import Node
 
 from ..errors import KubeAPIError, one_line
 
@@ -109,6 +110,10 @@ class KubeAPI:
     def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         what = f"get ResourceClaim {namespace}/{name}"
         return self._call(what, lambda: self._client.get(ResourceClaim, name, namespace=namespace).to_dict())
+
+    def get_node_uid(self, name: str) -> str:
+        """metadata.uid of the Node ``name`` (the owner of its ResourceSlices)."""
+        return self._call(f"get Node {name}", lambda: str(self._client.get(Node, name).metadata.uid))
 
     def list_resource_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
         """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName)."""

@@ -1,7 +1,7 @@
 """A stand-in Kubernetes API server for the DRA driver's tests: an HTTP(S) server in the test
 process, as small as the driver needs, speaking the API's paths, status objects and selectors.
 
-- ResourceClaims: tests put them in (``put_claim``); GET one.
+- ResourceClaims: tests put them in (``put_claim``); GET one. Nodes (``nodes``): GET one.
 - ResourceSlices: list (``fieldSelector`` on spec.driver, spec.nodeName, spec.pool.name,
   metadata.name; ``labelSelector`` k=v), get, create (``generateName`` honoured), replace
   (``resourceVersion`` checked: a stale one is 409 Conflict), delete.
@@ -11,7 +11,7 @@ process, as small as the driver needs, speaking the API's paths, status objects 
   is answered 422 Invalid *and* kept in ``invalid``: the ``apiserver`` fixture fails the test.
 - Faults: ``delay`` (seconds before each answer), ``refuse`` (close the connection without
   an answer), ``stop()``/``start()`` (nothing listens on the port), ``fail`` (answer the next
-  requests of a method with a status code).
+  requests of a method with these status codes; None serves one normally).
 - Bearer token required; ``tls=True`` serves HTTPS with a fresh self-signed certificate
   (openssl) whose CA file a KUBECONFIG can name.
 """
@@ -41,6 +41,7 @@ BASE = "/apis/resource.k8s.io/v1"
 TOKEN = "mpsd-test-token"
 _CLAIM = re.compile(rf"{BASE}/namespaces/([^/]+)/resourceclaims/([^/]+)")
 _SLICES = re.compile(rf"{BASE}/resourceslices(?:/([^/]+))?")
+_NODE = re.compile(r"/api/v1/nodes/([^/]+)")
 SLICE_FIELDS = {"spec.driver", "spec.nodeName", "spec.pool.name", "metadata.name"}
 
 Obj = dict[str, Any]
@@ -95,11 +96,12 @@ class StandInAPIServer:
         self.token = token
         self.claims: dict[tuple[str, str], Obj] = {}
         self.slices: dict[str, Obj] = {}
+        self.nodes: dict[str, Obj] = {}  # name -> Node (tests put them in; GET only)
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
         self.invalid: list[str] = []
         self.delay = 0.0
         self.refuse = False
-        self.fail: dict[str, list[int]] = {}  # method -> status codes for its next requests
+        self.fail: dict[str, list[int | None]] = {}  # method -> status codes of its next requests (None: serve)
         self.lock = threading.RLock()
         self._version = 0
         self._stopping = threading.Event()
@@ -155,9 +157,8 @@ class StandInAPIServer:
         parts = urlsplit(url)
         with self.lock:
             self.requests.append((method, url))
-            codes = self.fail.get(method)
-            if codes:
-                code = codes.pop(0)
+            code = self.fail[method].pop(0) if self.fail.get(method) else None
+            if code is not None:
                 return code, status(code, "InternalError" if code >= 500 else "Injected", f"injected {code}")
             if m := _CLAIM.fullmatch(parts.path):
                 if method != "GET":
@@ -166,6 +167,9 @@ class StandInAPIServer:
                 if claim is None:
                     return 404, status(404, "NotFound", f'resourceclaims.resource.k8s.io "{m.group(2)}" not found')
                 return 200, claim
+            if (m := _NODE.fullmatch(parts.path)) and method == "GET":
+                node = self.nodes.get(m.group(1))
+                return (200, node) if node else (404, status(404, "NotFound", f'nodes "{m.group(1)}" not found'))
             if m := _SLICES.fullmatch(parts.path):
                 return self._slices(method, m.group(1), parse_qs(parts.query), body)
         return 404, status(404, "NotFound", f"the server could not find the requested resource {parts.path}")

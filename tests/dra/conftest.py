@@ -29,6 +29,7 @@ from mpsd.errors import MpsdError
 from mpsd.plugin.response import HostPaths
 from mpsd.plugin.state import StateStore
 
+from ..inventory.conftest import fake_nvml_lib, nvml_config  # noqa: F401 (fixtures: the fake NVML)
 from ..plugin.conftest import GIB, gpus  # noqa: F401  (the same fake GPUs as the device plugin's tests)
 from .apiserver import apiserver, kubeconfig  # noqa: F401 (fixtures: the stand-in API server and a KUBECONFIG for it)
 

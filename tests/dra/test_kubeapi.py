@@ -189,3 +189,22 @@ def test_a_service_account_without_the_service_address_is_one_line(tmp_path: Pat
     with pytest.raises(KubeAPIError) as excinfo:
         load_config({}, str(tmp_path))
     assert "KUBERNETES_SERVICE_HOST" in one_line_error(excinfo)
+
+
+def test_a_rotated_service_account_token_is_read_again(tls_server: StandInAPIServer, tmp_path: Path) -> None:
+    # the kubelet rotates projected tokens in place: each request reads the file
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text(tls_server.token)
+    (account / "namespace").write_text("mpsd-system")
+    (account / "ca.crt").write_bytes(tls_server.ca_file.read_bytes())
+    host, port = tls_server.url.removeprefix("https://").split(":")
+    config = load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
+    with KubeAPI(config, timeout=5) as api:
+        api.get_resource_claim("team-a", "llm-gpu")
+        tls_server.token = "rotated-token"
+        with pytest.raises(KubeAPIError) as excinfo:
+            api.get_resource_claim("team-a", "llm-gpu")
+        assert excinfo.value.status == 401
+        (account / "token").write_text("rotated-token\n")
+        assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
