@@ -112,6 +112,7 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
         self.driver, self.endpoint = driver, endpoint
         self.status: tuple[bool, str] | None = None  # the kubelet's last verdict
         self.notified = threading.Event()
+        self.on_registered: Callable[[], None] = lambda: None  # e.g. the slice publisher's invalidate
 
     def GetInfo(self, request, context):
         return pluginregistration_pb2.PluginInfo(
@@ -122,6 +123,7 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
         self.status = (request.plugin_registered, request.error)
         if request.plugin_registered:
             log.info("registered with the kubelet driver=%s endpoint=%s", self.driver, self.endpoint)
+            self.on_registered()
         else:
             log.error("kubelet refused the registration driver=%s error=%s", self.driver, one_line(request.error))
         self.notified.set()

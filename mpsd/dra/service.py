@@ -6,6 +6,9 @@ Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's 
 
 - the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
   its pool has the node's name (mpsd/dra/slices.py publishes it so);
+- the node's ResourceSlices are published (mpsd/dra/publisher.py) once the plugin serves, kept
+  current every PUBLISH_INTERVAL, checked again when the kubelet registers the plugin, and
+  removed on shutdown after the registration socket is gone;
 - claims are read through ``api.get_resource_claim`` (mpsd/dra/kubeapi.py, from the service
   account or KUBECONFIG; each call bounded by API_TIMEOUT);
 - regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu are the device plugin's settings,
@@ -26,6 +29,7 @@ import tempfile
 import threading
 from typing import Mapping, Sequence
 
+from ..errors import MpsdError
 from ..health import HealthBoard
 from ..plugin.response import SHIM_NAME, HostPaths
 from ..plugin.slicing import GpuLike
@@ -35,10 +39,12 @@ from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
 from .kubeletplugin import DraPlugin
 from .prepared import PREPARED, PreparedClaim, Preparer
+from .publisher import SlicePublisher
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "dra-state.json"
+PUBLISH_INTERVAL = 5.0
 API_TIMEOUT = 5.0  # per API server call: 16 claims on 8 workers stay inside the kubelet's 45 s
 
 
@@ -108,11 +114,46 @@ def run_dra(
                        node=node, metrics=metrics, shim_library=shim_library)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
+        publisher = SlicePublisher(api, config.dra.driver_name, node, config.dra.mode,
+                                   config.device_plugin.slices_per_gpu, node_uid=_node_uid(api, node))
+        plugin.registration.on_registered = publisher.invalidate  # the kubelet wipes slices at its start
         try:
             plugin.start()
-            stop.wait()
+            publish_until(stop, publisher, gpus)
         finally:
-            plugin.stop()
+            plugin.stop()  # deregistered first: no new Prepare while the slices go
+            try:
+                publisher.remove()
+            except MpsdError as exc:
+                log.error("resourceslices not removed on shutdown (the kubelet removes them 30 s after the "
+                          "plugin is gone) error=%s", exc)
     finally:
         if own_api:
             api.close()
+
+
+def _node_uid(api, node: str) -> str | None:
+    """The Node's UID, so that its slices are owned by it (deleted with it); None if unreadable."""
+    try:
+        return api.get_node_uid(node)
+    except MpsdError as exc:
+        log.warning("node uid unknown, slices published without an owner node=%s error=%s", node, exc)
+        return None
+
+
+def publish_until(stop: threading.Event, publisher: SlicePublisher, gpus: Sequence[GpuLike],
+                  interval: float = PUBLISH_INTERVAL) -> None:
+    """Keep the node's ResourceSlices equal to ``gpus`` until ``stop``: at once, then every
+    ``interval`` (publish makes no API call while nothing changed, and checks the server at its
+    resync interval or after a registration); an API failure is logged once and retried."""
+    last = ""
+    while True:
+        try:
+            publisher.publish(gpus)
+            last = ""
+        except (MpsdError, ValueError) as exc:
+            if str(exc) != last:
+                log.error("resourceslices not published (retrying every %.0fs): %s", interval, exc)
+            last = str(exc)
+        if stop.wait(interval):
+            return

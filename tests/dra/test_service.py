@@ -13,16 +13,50 @@ import pytest
 from mpsd import config as cfg
 from mpsd.dra import service
 from mpsd.health import HealthBoard
+from mpsd.inventory import Gpu
 
-from .conftest import NODE, StandInKubelet, claim, gpus, result
+from .conftest import GIB, NODE, StandInKubelet, claim, result
 
 CLAIM = ("ns", "c1", "uid-1")
+GPUS = [Gpu(0, "GPU-00000000-aaaa-bbbb-cccc-000000000000", "Fake H100", 80 * GIB, 0, (9, 0), False)]
+
+
+class Running:
+    """run_dra in a thread, registered by a stand-in kubelet."""
+
+    def __init__(self, env, config, library):
+        self.stop_event = threading.Event()
+        self.errors: list[Exception] = []
+        self.thread = threading.Thread(target=self._serve, args=(env, config, library))
+        self.thread.start()
+        self.reg = env.registry_dir / "gpu.mpsd.io-reg.sock"
+        deadline = time.monotonic() + 30
+        while not self.reg.exists() and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.errors and self.reg.exists()
+        self.kubelet = StandInKubelet(str(self.reg))
+        self.kubelet.register()
+
+    def _serve(self, env, config, library):
+        try:
+            service.run_dra(config, pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=HealthBoard(), metrics=None,
+                            shim_library=str(library), stop=self.stop_event)
+        except Exception as exc:  # reported by stop()
+            self.errors.append(exc)
+
+    def stop(self):
+        self.kubelet.close()
+        self.stop_event.set()
+        self.thread.join(30)
+        assert not self.errors and not self.thread.is_alive()
+        assert not self.reg.exists()  # deregistered on the way out
 
 
 @pytest.fixture
 def running(env, kubeconfig, monkeypatch, tmp_path):
     monkeypatch.setenv("NODE_NAME", NODE)
     monkeypatch.setattr(service, "API_TIMEOUT", 1.0)
+    monkeypatch.setattr(service, "PUBLISH_INTERVAL", 0.1)
     library = tmp_path / "libmpsshim.so"
     library.write_bytes(b"\x7fELF")
     config = cfg.load(None, {}, {
@@ -30,46 +64,40 @@ def running(env, kubeconfig, monkeypatch, tmp_path):
         "dra-cdi-dir": str(env.cdi_dir), "region-dir": env.paths.region_dir, "shim-host-dir": env.paths.shim_host_dir,
         "state-dir": str(env.root / "state"),
     })
-    stop = threading.Event()
-    errors = []
+    r = Running(env, config, library)
+    yield r
+    if r.thread.is_alive():
+        r.stop()
 
-    def serve():
-        try:
-            service.run_dra(config, pipe_dir=env.paths.pipe_dir, gpus=gpus(80), board=HealthBoard(), metrics=None,
-                            shim_library=str(library), stop=stop)
-        except Exception as exc:  # reported by the test
-            errors.append(exc)
 
-    thread = threading.Thread(target=serve)
-    thread.start()
-    reg = env.registry_dir / "gpu.mpsd.io-reg.sock"
-    deadline = time.monotonic() + 30
-    while not reg.exists() and not errors and time.monotonic() < deadline:
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not errors and reg.exists()
-    kubelet = StandInKubelet(str(reg))
-    kubelet.register()
-    yield kubelet
-    kubelet.close()
-    stop.set()
-    thread.join(30)
-    assert not errors and not thread.is_alive()
-    assert not reg.exists()  # deregistered on the way out
+    return predicate()
+
+
+def test_slices_are_published_while_it_runs_and_removed_on_shutdown(apiserver, running):
+    assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
+    (slice_,) = apiserver.pool_slices("gpu.mpsd.io", NODE)
+    assert [d["name"] for d in slice_["spec"]["devices"]] == ["gpu-0"]
+    running.stop()
+    assert apiserver.pool_slices("gpu.mpsd.io", NODE) == []
 
 
 def test_a_claim_on_the_api_server_is_prepared_and_unprepared(env, apiserver, running):
     apiserver.put_claim(claim(results=[result(memory="20Gi", compute="25")]))
-    entry = running.prepare(CLAIM).claims["uid-1"]
+    entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
     assert entry.error == "" and list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1"]
     assert (env.cdi_dir / "mpsd.io-claim_uid-1.json").exists()
     assert os.path.exists(os.path.join(env.paths.shim_host_dir, "libmpsshim.so"))
     assert any(m == "GET" and "/namespaces/ns/resourceclaims/c1" in u for m, u in apiserver.requests)
-    assert running.unprepare(CLAIM).claims["uid-1"].error == ""
+    assert running.kubelet.unprepare(CLAIM).claims["uid-1"].error == ""
     assert os.listdir(env.cdi_dir) == []
 
 
 def test_a_claim_the_api_server_does_not_have_is_an_error_for_it(env, apiserver, running):
-    entry = running.prepare(CLAIM).claims["uid-1"]
+    entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
     assert "404" in entry.error and "ns/c1" in entry.error and "\n" not in entry.error
 
 
@@ -77,18 +105,18 @@ def test_a_slow_api_server_is_a_bounded_one_line_error_and_nothing_is_written(en
     apiserver.put_claim(claim())
     apiserver.delay = 5.0  # beyond the client's 1 s timeout
     t0 = time.monotonic()
-    entry = running.prepare(CLAIM).claims["uid-1"]
+    entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
     assert "within 1s" in entry.error and "\n" not in entry.error
     assert time.monotonic() - t0 < 20
     assert os.listdir(env.cdi_dir) == [] and not os.path.exists(env.paths.region_dir)
     apiserver.delay = 0.0
-    assert running.prepare(CLAIM).claims["uid-1"].error == ""  # the kubelet's retry
+    assert running.kubelet.prepare(CLAIM).claims["uid-1"].error == ""  # the kubelet's retry
 
 
 def test_an_api_server_that_is_down_is_a_one_line_error(env, apiserver, running):
     apiserver.put_claim(claim())
     apiserver.stop()
-    entry = running.prepare(CLAIM).claims["uid-1"]
+    entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
     assert "cannot reach the API server" in entry.error and "\n" not in entry.error
     assert os.listdir(env.cdi_dir) == []
     apiserver.start()
