@@ -51,17 +51,17 @@ def test_a_claims_series_carry_its_pods_caps_and_live_usage(env, holder_exe, shi
     assert scraped(metrics) == {}  # an unprepared claim's series go
 
 
-def test_an_unreadable_region_counts_as_nothing_used(env):
+def test_an_unreadable_region_counts_as_nothing_used(env, shim_lib, caplog):
     env.claims.put(claim())
     p = env.loaded()
     rec = p.prepare(ClaimRef("ns", "c1", "uid-1"))
     os.symlink("/etc/passwd", os.path.join(rec.region_dir, "region"))  # a pod's trick: refused, not followed
-
-    def reader(path):
-        raise OSError(f"refused {path}: a symlink")
-
-    (row,) = ClaimUsageReader(p.prepared, reader, None).tick()
+    reader = ClaimUsageReader(p.prepared, functools.partial(shim_usage, library=str(shim_lib)), None)
+    (row,) = reader.tick()
     assert row.used_bytes == 0
+    reader.tick()
+    warnings = [r for r in caplog.records if "cannot read usage" in r.getMessage()]
+    assert len(warnings) == 1 and "ns/c1" in warnings[0].getMessage()
 
 
 def test_rows_per_gpu_in_host_index_order(env):
