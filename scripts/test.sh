@@ -4,12 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, and what the
-# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with.
+# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, and the real
+# containers of tests/container.py (podman, runc, a static busybox for the image).
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux; do
+for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux \
+        podman:podman runc:runc; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
