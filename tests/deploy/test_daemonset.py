@@ -280,3 +280,11 @@ def test_each_added_capability_is_justified_in_the_comment_above_it() -> None:
     comment = block[block.rindex("allowPrivilegeEscalation"):]
     for cap in ctx["capabilities"]["add"]:
         assert re.search(rf"#\s+.*\b{cap}\b", comment), cap
+
+
+def test_the_pipe_dir_is_not_the_one_the_nvidia_runtime_mounts_read_write(node_kustomization: str) -> None:
+    # libnvidia-container mounts the host's /tmp/nvidia-mps (MPS's default) into every GPU
+    # container read-write (src/nvc_mount.c, mount_ipc: MS_NODEV|MS_NOSUID|MS_NOEXEC, no
+    # MS_RDONLY), after the kubelet's mounts: over the device plugin's read-only pipe dir.
+    # A private pipe dir is mounted into pods only by Allocate, read-only.
+    assert raw_config(node_kustomization)["pipeDir"] != "/tmp/nvidia-mps"

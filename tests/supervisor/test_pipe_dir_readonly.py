@@ -99,6 +99,15 @@ def test_a_pod_cannot_create_rename_or_remove_anything_in_the_pipe_dir_it_is_han
     assert daemon.control.get_server_list() is not None  # still its daemon, still answering
 
 
+def test_the_daemons_log_fifo_stays_writable_through_a_read_only_mount(podman, daemon, tmp_path):
+    # A known gap (docs/limitations.md): a read-only mount does not cover writes into a FIFO.
+    # What a pod writes there goes to the daemon, which keeps serving; mpsd reads nothing of it.
+    result = podman.run(["sh", "-c", f"echo 'written by a pod' > {daemon.pipe}/log && echo WROTE"],
+                        mounts=allocate_mounts(daemon.pipe, tmp_path), user="1000:1000", timeout=60)
+    assert result.returncode == 0 and "WROTE" in result.stdout, result.output
+    assert daemon.control.get_default_active_thread_percentage() == 100.0
+
+
 @pytest.mark.parametrize("user", [None, "1000:1000"], ids=["root", "uid1000"])
 def test_the_real_front_end_in_a_container_reaches_the_daemon_through_the_read_only_pipe_dir(
     podman, daemon, mps_control, tmp_path, user
