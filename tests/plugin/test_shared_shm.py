@@ -114,3 +114,19 @@ def test_the_control_daemon_and_a_server_without_a_gpu_create_nothing_in_dev_shm
     )
     assert result.returncode == 0, result.output
     assert result.stdout.strip() == "" and os.listdir(shm_dir) == [], (result.output, time.monotonic() - started)
+
+
+def test_the_plugin_says_at_start_what_bounds_shm_dir(env, kubelet, shm_dir, caplog):
+    import dataclasses
+
+    unbounded = env.root / "plain-shm"
+    unbounded.mkdir()
+    for path, expected in ((shm_dir, f"shmDir {shm_dir} is a tmpfs size=1024k nr_inodes=256"),
+                           (unbounded, f"shmDir {unbounded} is not a tmpfs of its own")):
+        env.paths = dataclasses.replace(env.paths, ipc_mode="tmpfs", shm_dir=str(path))
+        plugin = env.plugin(gpus(80))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mpsd.plugin"):
+            plugin.start()
+        plugin.stop()
+        assert expected in caplog.text, caplog.text
