@@ -20,8 +20,9 @@ What a run gets, and why:
 - **Bounded**: every run has a timeout; on expiry the container is removed with ``rm -f -t 0``
   and the client's process group killed; ``RunResult.timed_out`` says so.
 - **CDI** (``devices=["mpsd.io/claim=NAME"], cdi_spec_dir=DIR``): podman 4.3 (Debian 12) resolves
-  CDI names (spec version up to 0.5.0) but has no ``--cdi-spec-dir`` and ignores
-  ``cdi_spec_dirs`` in containers.conf; it reads only ``/etc/cdi`` and ``/var/run/cdi``. So the
+  CDI names (a spec with ``cdiVersion`` 0.5.0, env and bind mounts, was seen applied; newer
+  versions not tried) but has no ``--cdi-spec-dir`` and ignores ``cdi_spec_dirs`` in
+  containers.conf (seen: "unresolvable CDI devices"); it reads only ``/etc/cdi`` and ``/var/run/cdi``. So the
   run happens in a private mount namespace (``unshare --mount``) where ``DIR`` is bind-mounted
   over ``/var/run/cdi``: the host's directory is not written (only created, empty, if missing).
 
