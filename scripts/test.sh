@@ -4,13 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, and what the
-# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, and openssl for the
-# stand-in API server's TLS certificate (tests/dra).
+# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, the real
+# containers of tests/container.py (podman, runc, a static busybox for the image), and openssl
+# for the stand-in API server's TLS certificate (tests/dra).
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux openssl:openssl; do
+for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux \
+        podman:podman runc:runc openssl:openssl; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
