@@ -27,7 +27,7 @@ import stat
 from typing import Iterable
 
 from ..errors import DraError
-from ..plugin.response import CONTAINER_REGION_DIR, CONTAINER_SHIM_DIR, HostPaths, container_env
+from ..plugin.response import HostPaths, container_env, container_mounts
 from ..plugin.slicing import Plan
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,8 @@ def claim_spec(
     read-only, the MPS limits and the GPU (NVIDIA_VISIBLE_DEVICES, as the device plugin's
     Allocate gives it, and the device nodes)."""
     env = container_env(plan, paths.pipe_dir, client_priority=client_priority)
-    mounts = [
-        _mount(paths.pipe_dir, paths.pipe_dir, read_only=True),
-        _mount(region_dir, CONTAINER_REGION_DIR, read_only=False),
-        _mount(paths.shim_host_dir, CONTAINER_SHIM_DIR, read_only=True),
-    ]
-    if paths.ipc_mode == "tmpfs":
-        mounts.append(_mount(paths.shm_dir, "/dev/shm", read_only=False))
+    mounts = [_mount(m.host_path, m.container_path, read_only=m.read_only)
+              for m in container_mounts(plan, paths, region_dir)]  # the device plugin's, as CDI mounts
     edits = {
         "env": [f"{k}={v}" for k, v in sorted(env.items())],
         "mounts": mounts,
