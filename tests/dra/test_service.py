@@ -120,3 +120,28 @@ def test_an_api_server_that_is_down_is_a_one_line_error(env, apiserver, running)
     assert "cannot reach the API server" in entry.error and "\n" not in entry.error
     assert os.listdir(env.cdi_dir) == []
     apiserver.start()
+
+
+def test_mpsd_run_starts_the_dra_plugin_and_a_failure_makes_the_node_not_ready(tmp_path, monkeypatch):
+    """node.py's wiring: with dra.enabled the DRA plugin runs in its own thread with the shim and
+    the state dir; a plugin that stops makes /readyz say why (liveness is left alone)."""
+    from mpsd.errors import KubeAPIError
+    from mpsd.node import _ready, _start_dra
+
+    library = tmp_path / "libmpsshim.so"
+    library.write_bytes(b"")
+    config = cfg.load(None, {}, {"dra": "true", "shim-library": str(library), "state-dir": str(tmp_path)})
+    board = HealthBoard()
+    board.update(daemon_up=True, configured=True)
+    calls = []
+
+    def failing(config, **kwargs):
+        calls.append(kwargs)
+        raise KubeAPIError("get Node n: cannot reach the API server: connection refused")
+
+    monkeypatch.setattr(service, "run_dra", failing)
+    run = _start_dra(config, board, None, lambda: [], threading.Event())
+    run.thread.join(30)
+    assert calls and calls[0]["shim_library"] == str(library) and calls[0]["state_dir"] == str(tmp_path)
+    assert _ready(board, None, run) == (False, "DRA plugin stopped: get Node n: cannot reach the API server: "
+                                               "connection refused")
