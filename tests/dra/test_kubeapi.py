@@ -153,15 +153,18 @@ def test_https_with_an_unknown_certificate_is_refused(tls_server: StandInAPIServ
     assert "CERTIFICATE_VERIFY_FAILED" in str(excinfo.value)
 
 
-def test_the_service_account_in_a_pod(tls_server: StandInAPIServer, tmp_path: Path) -> None:
-    account = tmp_path / "serviceaccount"
+def service_account(server: StandInAPIServer, account: Path) -> Any:
+    """What the kubelet mounts in a pod (token, namespace, CA) and the service address."""
     account.mkdir()
-    (account / "token").write_text(tls_server.token)
+    (account / "token").write_text(server.token)
     (account / "namespace").write_text("mpsd-system")
-    (account / "ca.crt").write_bytes(tls_server.ca_file.read_bytes())
-    host, port = tls_server.url.removeprefix("https://").split(":")
-    config = load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
-    with KubeAPI(config, timeout=30) as api:
+    (account / "ca.crt").write_bytes(server.ca_file.read_bytes())
+    host, port = server.url.removeprefix("https://").split(":")
+    return load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
+
+
+def test_the_service_account_in_a_pod(tls_server: StandInAPIServer, tmp_path: Path) -> None:
+    with KubeAPI(service_account(tls_server, tmp_path / "serviceaccount"), timeout=30) as api:
         assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
 
 
@@ -194,13 +197,7 @@ def test_a_service_account_without_the_service_address_is_one_line(tmp_path: Pat
 def test_a_rotated_service_account_token_is_read_again(tls_server: StandInAPIServer, tmp_path: Path) -> None:
     # the kubelet rotates projected tokens in place: each request reads the file
     account = tmp_path / "serviceaccount"
-    account.mkdir()
-    (account / "token").write_text(tls_server.token)
-    (account / "namespace").write_text("mpsd-system")
-    (account / "ca.crt").write_bytes(tls_server.ca_file.read_bytes())
-    host, port = tls_server.url.removeprefix("https://").split(":")
-    config = load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
-    with KubeAPI(config, timeout=30) as api:
+    with KubeAPI(service_account(tls_server, account), timeout=30) as api:
         api.get_resource_claim("team-a", "llm-gpu")
         tls_server.token = "rotated-token"
         with pytest.raises(KubeAPIError) as excinfo:
