@@ -44,3 +44,12 @@ def one_line(text: object) -> str:
     """``text`` with every run of whitespace, line breaks included (those str.splitlines()
     knows: \\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, U+2028, U+2029), made one space."""
     return " ".join(str(text).split())
+
+
+class KubeAPIError(MpsdError):
+    """The Kubernetes API server could not be configured, reached or answered with an error.
+    ``status`` is the HTTP status code of an answer (404, 409 ...), None when there was none."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
