@@ -169,5 +169,5 @@ def test_mpsd_exec_returns_its_childs_code_after_a_deep_tree_in_its_region_dir(t
 
 
 def test_every_removal_of_a_tree_goes_through_mpsd_trees():
-    users = [p for d in ("mpsd", "shim") for p in (REPO / d).rglob("*.py") if "rmtree" in p.read_text()]
+    users = [p for d in ("mpsd", "shim") for p in (REPO / d).rglob("*.py") if "rmtree(" in p.read_text()]
     assert users == [], "remove pod-writable trees with mpsd.trees.remove_tree, not shutil.rmtree"
