@@ -129,8 +129,8 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             log.error("Allocate refused error=%s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            for plan in plans:
-                allocation = self.record(plan)
+            allocations = self.record_all(plans)
+            for plan, allocation in zip(plans, allocations, strict=True):
                 response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
         except PluginError as exc:  # the node's side: regionDir full, the state not writable
             log.error("Allocate failed error=%s", exc)
@@ -141,52 +141,36 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
     def record(self, plan: Plan) -> Allocation:
-        """Create a fresh region directory for the container (mode 0777) and remember it.
+        """``record_all`` of one plan."""
+        return self.record_all([plan])[0]
 
-        Under the store's lock from the directory to the state, so that garbage collection
+    def record_all(self, plans: Sequence[Plan]) -> list[Allocation]:
+        """Create a fresh region directory for each plan (mode 0777) and remember them all
+        in one journal line: all or nothing. When anything fails (regionDir full, the state
+        disk full) the new directories are removed and the state is exactly as before (the
+        journal, memory, and earlier allocations of the same device IDs still named): the
+        caller's request failed, so nothing of it may stay.
+
+        Under the store's lock from the directories to the state, so that garbage collection
         (which decides under the same lock) never takes a directory being recorded. The same
         device IDs again (a new pod on the same slices) get a new directory too: the previous
         tenant's files (a region whose lock it poisoned, say) never reach the next pod; its
         directory, no longer named by the state, is removed by garbage collection."""
         with self.store.lock:
-            return self._record(plan)
-
-    def _record(self, plan: Plan) -> Allocation:
-        directory = self._fresh_dir(plan.allocation_id)
-        if plan.spans_gpus:
-            log.warning(
-                "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
-                "(one MPS percentage per client: the largest is used)",
-                plan.allocation_id,
-                plan.visible_devices,
-                plan.memory_limits,
-                plan.active_thread_percentage,
-            )
-        previous = self.store.get(plan.allocation_id)
-        allocation = Allocation(
-            allocation_id=plan.allocation_id,
-            device_ids=plan.device_ids,
-            gpus=tuple(g.uuid for g in plan.gpus),
-            memory_limits=plan.memory_limits,
-            active_thread_percentage=plan.active_thread_percentage,
-            region_dir=directory,
-            created=time.time(),
-        )
-        try:
-            self.store.put(allocation)
-        except PluginError:
-            _remove_empty(directory)
-            raise
-        log.info(
-            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s region=%s%s",
-            plan.allocation_id,
-            ",".join(plan.device_ids),
-            plan.memory_limits,
-            plan.active_thread_percentage,
-            os.path.basename(directory),
-            f" replaces={os.path.basename(previous.region_dir)}" if previous is not None else "",
-        )
-        return allocation
+            directories: list[str] = []
+            try:
+                for plan in plans:
+                    directories.append(self._fresh_dir(plan.allocation_id))
+                allocations = [_allocation(plan, d) for plan, d in zip(plans, directories, strict=True)]
+                previous = [self.store.get(plan.allocation_id) for plan in plans]
+                self.store.put_many(allocations)
+            except BaseException:
+                for directory in directories:
+                    _remove_empty(directory)
+                raise
+        for plan, allocation, before in zip(plans, allocations, previous, strict=True):
+            _log_allocated(plan, allocation, before)
+        return allocations
 
     def _fresh_dir(self, allocation_id: str) -> str:
         """A new directory ``<allocation ID>-<random>`` that did not exist before (mkdir, not
@@ -207,6 +191,36 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             except OSError as exc:
                 raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
         raise PluginError(f"cannot create a new region directory in {self.paths.region_dir}: names taken")
+
+
+def _allocation(plan: Plan, directory: str) -> Allocation:
+    return Allocation(
+        allocation_id=plan.allocation_id,
+        device_ids=plan.device_ids,
+        gpus=tuple(g.uuid for g in plan.gpus),
+        memory_limits=plan.memory_limits,
+        active_thread_percentage=plan.active_thread_percentage,
+        region_dir=directory,
+        created=time.time(),
+    )
+
+
+def _log_allocated(plan: Plan, allocation: Allocation, previous: Allocation | None) -> None:
+    if plan.spans_gpus:
+        log.warning(
+            "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
+            "(one MPS percentage per client: the largest is used)",
+            plan.allocation_id, plan.visible_devices, plan.memory_limits, plan.active_thread_percentage,
+        )
+    log.info(
+        "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s region=%s%s",
+        plan.allocation_id,
+        ",".join(plan.device_ids),
+        plan.memory_limits,
+        plan.active_thread_percentage,
+        os.path.basename(allocation.region_dir),
+        f" replaces={os.path.basename(previous.region_dir)}" if previous is not None else "",
+    )
 
 
 def _remove_empty(directory: str) -> None:
