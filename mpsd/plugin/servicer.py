@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from typing import Sequence
@@ -191,6 +192,37 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             except OSError as exc:
                 raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
         raise PluginError(f"cannot create a new region directory in {self.paths.region_dir}: names taken")
+
+
+def restore_region_dir(allocation: Allocation, region_root: str) -> bool:
+    """At start: re-create the directory of a stored allocation that is missing (mode 0777, as
+    Allocate made it). Only a directory of ours is made: directly in ``region_root``, named
+    ``<allocation ID>-...``. Anything else (a record naming a place outside regionDir, a file
+    or a link standing where the directory should be) is left alone with one line: the plugin
+    starts all the same, and garbage collection deals with the record. True when it is there."""
+    path = allocation.region_dir
+    if (os.path.dirname(os.path.abspath(path)) != os.path.abspath(region_root)
+            or not os.path.basename(path).startswith(allocation.allocation_id + "-")):
+        why = f"not a directory of ours in regionDir {region_root}"
+    else:
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                return True
+            why = "a file or a link stands there"
+        except FileNotFoundError:
+            try:
+                os.mkdir(path, 0o700)
+                os.chmod(path, 0o777)  # not in mkdir: the umask would take bits off
+                log.warning("region directory missing, re-created allocation=%s path=%s",
+                            allocation.allocation_id, path)
+                return True
+            except OSError as exc:
+                why = f"cannot create it: {exc.strerror or exc}"
+        except OSError as exc:
+            why = f"cannot inspect it: {exc.strerror or exc}"
+    log.warning("region directory of a stored allocation not re-created allocation=%s path=%s (%s)",
+                allocation.allocation_id, path, why)
+    return False
 
 
 def _allocation(plan: Plan, directory: str) -> Allocation:
