@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Sequence
 
 from . import config as cfg
 from .clientenv import client_env
-from .errors import ConfigError, MpsdError, one_line
+from .errors import ConfigError, MpsdError, one_line, printable
 from .trees import remove_tree
 from .units import parse_limits, parse_percentage, parse_size
 
@@ -154,9 +154,9 @@ def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if args.json:
         print(json.dumps(config.to_dict(), indent=2))
     else:
-        print(f"{args.file}: ok")
+        print(printable(f"{args.file}: ok"))
         for s in cfg.SETTINGS:
-            print(f"  {s.key} = {cfg.format_value(config, s.key)}")
+            print(printable(f"  {s.key} = {cfg.format_value(config, s.key)}"))
     return 0
 
 
