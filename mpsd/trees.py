@@ -84,16 +84,7 @@ def _remove_entry(dir_fd: int, name: str, top_fd: int, budget: _Budget, top: boo
     if not budget.take():
         budget.error = budget.error or "too many entries for one call (the rest goes in a later one)"
         return
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-        budget.removed += 1
-        return
-    except FileNotFoundError:
-        return
-    except IsADirectoryError:
-        pass
-    except OSError as exc:
-        budget.error = f"cannot remove {name!r}: {exc.strerror or exc}"
+    if not _unlink_is_dir(dir_fd, name, budget):
         return
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -143,18 +134,23 @@ def _empty_one_level(fd: int, top_fd: int, budget: _Budget) -> None:
     for name in _names(fd, budget):
         if not budget.take():
             return
-        try:
-            os.unlink(name, dir_fd=fd)
-            budget.removed += 1
-            continue
-        except FileNotFoundError:
-            continue
-        except IsADirectoryError:
-            pass
-        except OSError as exc:
-            budget.error = f"cannot remove {name!r}: {exc.strerror or exc}"
-            continue
-        _move_up(fd, name, top_fd, budget)
+        if _unlink_is_dir(fd, name, budget):
+            _move_up(fd, name, top_fd, budget)
+
+
+def _unlink_is_dir(dir_fd: int, name: str, budget: _Budget) -> bool:
+    """Unlink ``name`` (whatever it is but a directory: a symlink goes, its target stays);
+    True when it is a directory, which unlink cannot remove."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        budget.removed += 1
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        return True
+    except OSError as exc:
+        budget.error = f"cannot remove {name!r}: {exc.strerror or exc}"
+    return False
 
 
 def _move_up(fd: int, name: str, top_fd: int, budget: _Budget) -> None:

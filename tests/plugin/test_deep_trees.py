@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mpsd.plugin.state import Allocation
 from mpsd.trees import remove_tree
 
 from .conftest import RESOURCE, FakePodResources, allocate, gpus, stub
@@ -39,6 +40,17 @@ def plant_deep_tree(top: str, host_dir: str, depth: int = DEPTH) -> None:
             fd = below
     finally:
         os.close(fd)
+
+
+def three_allocations(plugin) -> list[tuple[list[str], Allocation]]:
+    """(device IDs, stored allocation) of three one-slice Allocates, in order."""
+    _, s = stub(plugin)
+    uuid = plugin.gpus[0].uuid
+    ids = [[f"{uuid}::{k}"] for k in range(3)]
+    for one in ids:
+        allocate(s, one)
+    by_ids = {a.device_ids: a for a in plugin.store.all()}
+    return [(one, by_ids[tuple(one)]) for one in ids]
 
 
 @pytest.fixture
@@ -83,16 +95,10 @@ def test_remove_tree_work_is_bounded_and_a_later_call_finishes(tmp_path, host_di
 
 def test_a_deep_tree_in_a_pods_directory_stops_no_usage_or_gc_round(env, kubelet, host_dir, caplog):
     pr = FakePodResources(str(env.pod_resources_socket))
-    g = gpus(80)
-    plugin = env.plugin(g, usage_reader=lambda path: {0: 7}, gc_grace=30.0)
+    plugin = env.plugin(gpus(80), usage_reader=lambda path: {0: 7}, gc_grace=30.0)
     plugin.start()
     try:
-        _, s = stub(plugin)
-        hostile_ids, good_ids, orphan_ids = ([f"{g[0].uuid}::{k}"] for k in range(3))
-        for ids in (hostile_ids, good_ids, orphan_ids):
-            allocate(s, ids)
-        by_ids = {a.device_ids: a for a in plugin.store.all()}
-        hostile, good, orphan = (by_ids[tuple(i)] for i in (hostile_ids, good_ids, orphan_ids))
+        (hostile_ids, hostile), (good_ids, good), (_, orphan) = three_allocations(plugin)
         plant_deep_tree(hostile.region_dir, str(host_dir))
         plugin.store.put(replace(hostile, created=hostile.created - 3600))  # its pod ended an hour ago
         plugin.store.remove([orphan.allocation_id])  # a directory no allocation names: swept
@@ -116,17 +122,11 @@ def test_a_directory_that_cannot_be_removed_is_one_line_and_the_round_goes_on(en
     if os.geteuid() != 0:
         pytest.skip("bind-mounting needs root")
     pr = FakePodResources(str(env.pod_resources_socket))
-    g = gpus(80)
-    plugin = env.plugin(g, usage_reader=lambda path: {0: 7}, gc_grace=30.0)
+    plugin = env.plugin(gpus(80), usage_reader=lambda path: {0: 7}, gc_grace=30.0)
     plugin.start()
     mounted = ""
     try:
-        _, s = stub(plugin)
-        stuck_ids, ended_ids, good_ids = ([f"{g[0].uuid}::{k}"] for k in range(3))
-        for ids in (stuck_ids, ended_ids, good_ids):
-            allocate(s, ids)
-        by_ids = {a.device_ids: a for a in plugin.store.all()}
-        stuck, ended = by_ids[tuple(stuck_ids)], by_ids[tuple(ended_ids)]
+        (_, stuck), (_, ended), (good_ids, _) = three_allocations(plugin)
         mounted = os.path.join(stuck.region_dir, "busy")
         os.mkdir(mounted)
         (tmp_path / "src").mkdir()

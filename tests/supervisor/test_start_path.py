@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from .test_cli import flags, free_port, get
+from .test_cli import flags, free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 HOLD = """
@@ -50,16 +49,7 @@ def test_a_slow_read_of_exec_regions_delays_neither_the_start_nor_sigterm(mps_co
     proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if get(f"http://127.0.0.1:{port}/readyz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "not ready while the regions were being read"
-            time.sleep(0.1)
+        wait_ready(proc, port, why="not ready while the regions were being read")
         assert reading.exists() and not release.exists()  # ready while the read still hangs
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
