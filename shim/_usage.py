@@ -134,7 +134,7 @@ def check_size(fd: int, path: str, size: int) -> None:
     actual = os.fstat(fd).st_size
     if actual != size:
         raise RegionError(f"cannot read region {path!r}: region {path} is {actual} bytes, expected {size} "
-                          "(truncated, or not this shim's layout)")
+                          "(truncated, or not this shim's layout)", "corrupted")
 
 
 def private_copy(src: int, name: str) -> int:
