@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from ..errors import MpsdError
+from ..errors import MpsdError, PluginError
 from ..metrics import AllocationUsage
 from ..trees import remove_tree
 from .kubelet import Holder, list_holders
@@ -145,18 +145,27 @@ class UsageTracker:
                 holders = list_holders(self.pod_resources_socket, self.resource_name)
             except MpsdError as exc:
                 self._warn_once("podresources", "pod-resources unavailable, keeping allocations error=%s", exc)
-        result = reconcile(self.store.all(), holders, now, self.gc_grace, self._missing_since)
+        previous = self._missing_since
+        result = reconcile(self.store.all(), holders, now, self.gc_grace, previous)
         self._missing_since = result.missing_since
-        self._label(result.keep)
-        if result.stale:
-            self.collect(result.stale)
+        try:  # a state that cannot be written (a full disk) holds up labels and GC, not usage
+            self._label(result.keep)
+            if result.stale:
+                self.collect(result.stale)  # nothing is released that the state still names
+        except PluginError as exc:
+            self._warn_once(f"state:{exc}", "state not writable, labels and garbage collection wait error=%s", exc)
+            for a in result.stale:  # still stale: collected as soon as the state can be written
+                self._missing_since[a.allocation_id] = previous.get(a.allocation_id, now)
         self.sweep(holders, now)
         used = {a.allocation_id: self._read(a) for a in result.keep}
         rows = usage_rows(result.keep, used, self.gpu_index)
         if self.metrics is not None:
             self.metrics.set_allocations(rows)
         if self.store.journal_lines:
-            self.store.compact()  # here, off Allocate's path
+            try:
+                self.store.compact()  # here, off Allocate's path
+            except PluginError as exc:
+                self._warn_once(f"state:{exc}", "state compaction failed, tried again next round error=%s", exc)
         return rows
 
     def _label(self, labelled: list[Allocation]) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -14,7 +16,7 @@ import pytest
 
 from mpsd.plugin.state import Allocation, StateStore
 
-from .conftest import allocate, gpus, stub
+from .conftest import RESOURCE, FakePodResources, allocate, gpus, stub
 
 PAGE = 4096
 
@@ -113,3 +115,36 @@ def test_a_change_in_the_journal_stands_when_only_the_compaction_after_it_fails(
         assert sorted(StateStore(str(env.state_path)).load()) == ["a1", "a2", "a3"]
     finally:
         store.close()
+
+
+def test_a_full_state_disk_stops_no_usage_round_and_loses_nothing(env, kubelet, state_tmpfs, caplog):
+    """Labels and garbage collection wait for the disk (nothing is released that the state still
+    names); usage is still read and exported, with one line, and all resumes once there is room."""
+    pr = FakePodResources(str(env.pod_resources_socket))
+    g = gpus(80)
+    plugin = env.plugin(g, usage_reader=lambda path: {0: 7}, gc_grace=30.0)
+    plugin.start()
+    try:
+        _, s = stub(plugin)
+        ended_ids, good_ids = [f"{g[0].uuid}::0"], [f"{g[0].uuid}::1"]
+        allocate(s, ended_ids)
+        allocate(s, good_ids)
+        ended = next(a for a in plugin.store.all() if list(a.device_ids) == ended_ids)
+        plugin.store.put(replace(ended, created=ended.created - 3600))  # its pod ended an hour ago
+        plugin.store.compact()  # an empty journal: the next line needs a page
+        filler = fill_leaving(state_tmpfs, pages=0)
+        pr.pods = [("good", "t", "c", RESOURCE, good_ids)]
+        now = time.time()
+        with caplog.at_level("WARNING", logger="mpsd.plugin.usage"):
+            plugin.tracker.tick(now=now)
+            rows = plugin.tracker.tick(now=now + 60)
+        assert [(r.pod, r.used_bytes) for r in rows] == [("good", 7)]
+        assert len(plugin.store.all()) == 2 and os.path.isdir(ended.region_dir)  # not released unrecorded
+        lines = [r.getMessage() for r in caplog.records if "No space left" in r.getMessage()]
+        assert len(lines) == 1, lines
+        filler.unlink()
+        plugin.tracker.tick(now=now + 70)
+        assert [a.pod for a in plugin.store.all()] == ["good"] and not os.path.exists(ended.region_dir)
+    finally:
+        plugin.stop()
+        pr.stop()
