@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -34,6 +33,7 @@ from ..plugin.response import HostPaths
 from ..plugin.servicer import fresh_dir
 from ..plugin.slicing import GpuLike, GpuShare, Plan
 from ..plugin.state import StateStore
+from ..trees import remove_tree
 from . import cdi
 from .claims import ClaimRef, Result, plan_claim
 
@@ -154,7 +154,10 @@ class Preparer:
             for name in _claim_dirs(self.paths.region_dir):
                 if name not in dirs:
                     log.warning("claim directory of no prepared claim removed name=%s", name)
-                    self._remove_dir(os.path.join(self.paths.region_dir, name))
+                    try:
+                        self._remove_dir(os.path.join(self.paths.region_dir, name))
+                    except DraError as exc:  # tried again at the next start
+                        log.error("%s", exc)
 
     # -- the kubelet's calls ----------------------------------------------------------------
 
@@ -274,15 +277,14 @@ class Preparer:
             raise DraError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
 
     def _remove_dir(self, directory: str) -> None:
+        """Remove a claim's directory (a pod's tree: any shape, symlinks never followed); DraError
+        when something is left, so that the record stays and the kubelet's retry goes on."""
         if os.path.dirname(os.path.abspath(directory)) != os.path.abspath(self.paths.region_dir):
             log.warning("region directory outside regionDir left alone path=%s", directory)
             return
-        try:
-            shutil.rmtree(directory)
-        except FileNotFoundError:
-            pass
-        except (OSError, RecursionError) as exc:  # a pod's deep tree: what is left is reported, not fatal
-            log.error("region directory not fully removed path=%s error=%s", directory, one_line(exc)[:200])
+        removal = remove_tree(directory)
+        if not removal.complete:
+            raise DraError(f"region directory {directory} not fully removed: {removal.error}")
 
 
 _CLAIM_DIR = re.compile(r"claim-[A-Za-z0-9_.-]{1,128}-[0-9a-f]{12}")

@@ -42,14 +42,14 @@ def one_line_error(excinfo: pytest.ExceptionInfo[KubeAPIError]) -> str:
 
 def test_get_resource_claim_returns_the_object_as_sent(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
     apiserver.put_claim(CLAIM)
-    with KubeAPI.from_environment(timeout=5) as api:
+    with KubeAPI.from_environment(timeout=30) as api:
         # camelCase keys, and fields newer than the client's models (shareID, consumedCapacity) kept
         assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
     assert apiserver.requests == [("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/llm-gpu")]
 
 
 def test_a_missing_claim_is_one_line_with_its_name(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
-    with KubeAPI.from_environment(timeout=5) as api, pytest.raises(KubeAPIError) as excinfo:
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
         api.get_resource_claim("team-a", "gone")
     assert "ResourceClaim team-a/gone" in one_line_error(excinfo) and "404" in str(excinfo.value)
     assert excinfo.value.status == 404
@@ -57,13 +57,13 @@ def test_a_missing_claim_is_one_line_with_its_name(apiserver: StandInAPIServer, 
 
 def test_a_wrong_token_is_refused_in_one_line(apiserver: StandInAPIServer, tmp_path: Path) -> None:
     config = load_config({"KUBECONFIG": str(write_kubeconfig(tmp_path / "kc", apiserver, token="wrong"))})
-    with KubeAPI(config, timeout=5) as api, pytest.raises(KubeAPIError) as excinfo:
+    with KubeAPI(config, timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
         api.get_resource_claim("team-a", "llm-gpu")
     assert "401" in one_line_error(excinfo) and excinfo.value.status == 401
 
 
 def test_slices_are_listed_by_driver_and_node_on_the_server(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
-    with KubeAPI.from_environment(timeout=5) as api:
+    with KubeAPI.from_environment(timeout=30) as api:
         mine = api.create_resource_slice(slice_obj())
         api.create_resource_slice(slice_obj(node="node-b"))
         api.create_resource_slice(slice_obj(driver="gpu.example.com"))
@@ -74,7 +74,7 @@ def test_slices_are_listed_by_driver_and_node_on_the_server(apiserver: StandInAP
 
 
 def test_update_and_delete_and_a_stale_update_is_a_409(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
-    with KubeAPI.from_environment(timeout=5) as api:
+    with KubeAPI.from_environment(timeout=30) as api:
         created = api.create_resource_slice(slice_obj())
         changed = copy.deepcopy(created)
         changed["spec"]["pool"]["generation"] = 2
@@ -92,7 +92,7 @@ def test_update_and_delete_and_a_stale_update_is_a_409(apiserver: StandInAPIServ
 
 def test_the_stand_in_refuses_a_field_the_schema_does_not_know(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
     # the guarantee every publisher test leans on: an unknown field fails, it is not dropped
-    with KubeAPI.from_environment(timeout=5) as api, pytest.raises(KubeAPIError) as excinfo:
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
         api.create_resource_slice(slice_obj(sharedMemory=True))
     assert excinfo.value.status == 422 and apiserver.slices == {}
     assert any("sharedMemory" in e for e in apiserver.invalid)
@@ -102,7 +102,7 @@ def test_the_stand_in_refuses_a_field_the_schema_does_not_know(apiserver: StandI
 def test_the_stand_in_refuses_a_request_policy_the_api_refuses(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
     policy = {"default": "300Mi", "validRange": {"min": "256Mi", "step": "100Mi", "max": "1Gi"}}
     bad = slice_obj(allowMultipleAllocations=True, capacity={"memory": {"value": "1Gi", "requestPolicy": policy}})
-    with KubeAPI.from_environment(timeout=5) as api, pytest.raises(KubeAPIError) as excinfo:
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
         api.create_resource_slice(bad)
     assert excinfo.value.status == 422 and any("min + n*step" in e for e in apiserver.invalid)
     apiserver.invalid.clear()
@@ -124,7 +124,7 @@ def test_a_server_that_is_down_is_one_line(apiserver: StandInAPIServer, kubeconf
         apiserver.stop()
     else:
         apiserver.refuse = True
-    with KubeAPI.from_environment(timeout=5) as api, pytest.raises(KubeAPIError) as excinfo:
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
         api.list_resource_slices("gpu.mpsd.io", "node-a")
     assert "cannot reach the API server" in one_line_error(excinfo)
 
@@ -141,27 +141,30 @@ def tls_server(tmp_path: Path) -> Any:
 @pytest.mark.parametrize("insecure", [False, True], ids=["ca-file", "insecure-skip-tls-verify"])
 def test_https_with_the_ca_or_insecure(tls_server: StandInAPIServer, tmp_path: Path, insecure: bool) -> None:
     config = load_config({"KUBECONFIG": str(write_kubeconfig(tmp_path / "kc", tls_server, insecure=insecure))})
-    with KubeAPI(config, timeout=5) as api:
+    with KubeAPI(config, timeout=30) as api:
         assert api.get_resource_claim("team-a", "llm-gpu")["metadata"]["uid"] == CLAIM["metadata"]["uid"]
 
 
 def test_https_with_an_unknown_certificate_is_refused(tls_server: StandInAPIServer, tmp_path: Path) -> None:
     path = write_kubeconfig(tmp_path / "kc", tls_server, trust=False)
-    with KubeAPI(load_config({"KUBECONFIG": str(path)}), timeout=5) as api, pytest.raises(KubeAPIError) as excinfo:
+    with KubeAPI(load_config({"KUBECONFIG": str(path)}), timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
         api.get_resource_claim("team-a", "llm-gpu")
     assert "cannot reach the API server" in one_line_error(excinfo)
     assert "CERTIFICATE_VERIFY_FAILED" in str(excinfo.value)
 
 
-def test_the_service_account_in_a_pod(tls_server: StandInAPIServer, tmp_path: Path) -> None:
-    account = tmp_path / "serviceaccount"
+def service_account(server: StandInAPIServer, account: Path) -> Any:
+    """What the kubelet mounts in a pod (token, namespace, CA) and the service address."""
     account.mkdir()
-    (account / "token").write_text(tls_server.token)
+    (account / "token").write_text(server.token)
     (account / "namespace").write_text("mpsd-system")
-    (account / "ca.crt").write_bytes(tls_server.ca_file.read_bytes())
-    host, port = tls_server.url.removeprefix("https://").split(":")
-    config = load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
-    with KubeAPI(config, timeout=5) as api:
+    (account / "ca.crt").write_bytes(server.ca_file.read_bytes())
+    host, port = server.url.removeprefix("https://").split(":")
+    return load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
+
+
+def test_the_service_account_in_a_pod(tls_server: StandInAPIServer, tmp_path: Path) -> None:
+    with KubeAPI(service_account(tls_server, tmp_path / "serviceaccount"), timeout=30) as api:
         assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
 
 
@@ -180,7 +183,7 @@ def test_a_malformed_kubeconfig_is_one_line(tmp_path: Path, text: str) -> None:
     path = tmp_path / "kubeconfig"
     path.write_text(text)
     with pytest.raises(KubeAPIError) as excinfo:
-        KubeAPI(load_config({"KUBECONFIG": str(path)}), timeout=5)
+        KubeAPI(load_config({"KUBECONFIG": str(path)}), timeout=30)
     assert str(path) in one_line_error(excinfo) or "API server client" in str(excinfo.value)
 
 
@@ -194,13 +197,7 @@ def test_a_service_account_without_the_service_address_is_one_line(tmp_path: Pat
 def test_a_rotated_service_account_token_is_read_again(tls_server: StandInAPIServer, tmp_path: Path) -> None:
     # the kubelet rotates projected tokens in place: each request reads the file
     account = tmp_path / "serviceaccount"
-    account.mkdir()
-    (account / "token").write_text(tls_server.token)
-    (account / "namespace").write_text("mpsd-system")
-    (account / "ca.crt").write_bytes(tls_server.ca_file.read_bytes())
-    host, port = tls_server.url.removeprefix("https://").split(":")
-    config = load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
-    with KubeAPI(config, timeout=5) as api:
+    with KubeAPI(service_account(tls_server, account), timeout=30) as api:
         api.get_resource_claim("team-a", "llm-gpu")
         tls_server.token = "rotated-token"
         with pytest.raises(KubeAPIError) as excinfo:

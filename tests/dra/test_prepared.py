@@ -213,3 +213,26 @@ def test_orphans_of_ours_are_removed_at_start_and_others_left(env):
 def test_the_node_name_is_checked_against_the_allocation(env):
     env.claims.put(claim(node=NODE))
     assert env.loaded().prepare(REF).phase == PREPARED
+
+
+def test_a_deep_tree_a_pod_left_in_its_claims_directory_is_removed_by_unprepare(env):
+    """3000 nested directories (shutil.rmtree would raise RecursionError) and a symlink to a host
+    file: Unprepare removes the tree through mpsd.trees, never following the link."""
+    env.claims.put(claim())
+    p = env.loaded()
+    rec = p.prepare(REF)
+    victim = env.root / "victim"
+    victim.write_text("keep")
+    fd = os.open(rec.region_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd)
+            new = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = new
+        os.symlink(str(victim), "link", dir_fd=fd)
+    finally:
+        os.close(fd)
+    p.unprepare(REF)
+    assert files(env) == ([], []) and victim.read_text() == "keep"
+    assert env.loaded().store.all() == []

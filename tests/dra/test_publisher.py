@@ -31,7 +31,7 @@ class Clock:
 
 @pytest.fixture
 def api(kubeconfig: Path) -> Any:
-    with KubeAPI.from_environment(timeout=5) as client:
+    with KubeAPI.from_environment(timeout=30) as client:
         yield client
 
 
