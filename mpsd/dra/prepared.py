@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DraError, MpsdError, one_line
 from ..plugin.response import HostPaths
-from ..plugin.servicer import fresh_dir
+from ..plugin.servicer import fresh_dir, restore_region_dir
 from ..plugin.slicing import GpuLike, GpuShare, Plan
 from ..plugin.state import StateStore
 from ..trees import remove_tree
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 PREPARED = "prepared"  # the only phase written; a record of another is rolled back at start
 GetClaim = Callable[[str, str], Any]  # (namespace, name) -> the ResourceClaim as a dict
+
+
+def claim_key(uid: str) -> str:
+    return f"claim-{uid}"
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,10 @@ class PreparedClaim:
     pods: tuple[str, ...] = ()
 
     @property
-    def allocation_id(self) -> str:  # the store's key
-        return self.uid
+    def allocation_id(self) -> str:
+        """The store's key and its directory's prefix (``claim-<uid>-<random>``), as an
+        allocation's ID is for the device plugin."""
+        return claim_key(self.uid)
 
     @property
     def ref(self) -> ClaimRef:
@@ -164,7 +170,7 @@ class Preparer:
     def prepare(self, ref: ClaimRef) -> PreparedClaim:
         cdi.check_uid(ref.uid)
         with self.lock:
-            done = self.store.get(ref.uid)
+            done = self.store.get(claim_key(ref.uid))
             if done is not None and done.phase == PREPARED:
                 self._ensure(done)
                 log.info("claim already prepared claim=%s uid=%s", ref, ref.uid)
@@ -178,7 +184,7 @@ class Preparer:
         planned = plan_claim(claim, ref, driver=self.driver, node=self.node, pool=self.pool, gpus=self.gpus,
                              slices_per_gpu=self.slices_per_gpu)
         with self.lock:
-            done = self.store.get(ref.uid)
+            done = self.store.get(claim_key(ref.uid))
             if done is not None and done.phase == PREPARED:  # prepared meanwhile by a concurrent call
                 return done
             if done is not None:
@@ -195,7 +201,7 @@ class Preparer:
     def unprepare(self, ref: ClaimRef) -> None:
         cdi.check_uid(ref.uid)
         with self.lock:
-            rec = self.store.get(ref.uid)
+            rec = self.store.get(claim_key(ref.uid))
             if rec is None:
                 log.info("claim not prepared here, nothing to undo claim=%s uid=%s", ref, ref.uid)
                 return
@@ -209,7 +215,7 @@ class Preparer:
 
     def _create(self, rec: PreparedClaim) -> PreparedClaim:
         try:
-            directory = fresh_dir(self.paths.region_dir, f"claim-{rec.uid}")
+            directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
         except MpsdError as exc:
             raise DraError(f"claim {rec.ref}: {one_line(exc)}") from exc
         self.step("directory")
@@ -242,14 +248,12 @@ class Preparer:
         if rec.region_dir:
             self._remove_dir(rec.region_dir)
         self.step("directory removed")
-        self.store.remove([rec.uid])
+        self.store.remove([rec.allocation_id])
 
     def _ensure(self, rec: PreparedClaim) -> None:
         """A prepared claim's directory and spec exist and the spec is what the record says."""
-        if not os.path.isdir(rec.region_dir):
-            log.warning("region directory of a prepared claim missing, re-created claim=%s path=%s",
-                        rec.ref, rec.region_dir)
-            self._make_dir(rec.region_dir)
+        if not restore_region_dir(rec, self.paths.region_dir):  # as the device plugin's start does
+            raise DraError(f"claim {rec.ref}: region directory {rec.region_dir} cannot be restored")
         if self.cdi.read(rec.spec_name) != self._spec(rec):
             log.warning("CDI spec of a prepared claim missing or changed, written again claim=%s", rec.ref)
             self._write_spec(rec)
@@ -261,20 +265,6 @@ class Preparer:
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))
-
-    def _make_dir(self, directory: str) -> None:
-        if os.path.dirname(os.path.abspath(directory)) != os.path.abspath(self.paths.region_dir):
-            raise DraError(f"region directory {directory} is outside regionDir {self.paths.region_dir}")
-        try:
-            os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
-            try:
-                os.mkdir(directory, 0o700)
-            except FileExistsError:
-                if not os.path.isdir(directory) or os.path.islink(directory):
-                    raise
-            os.chmod(directory, 0o777, follow_symlinks=False)  # not in mkdir: the umask would take bits off
-        except OSError as exc:
-            raise DraError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
 
     def _remove_dir(self, directory: str) -> None:
         """Remove a claim's directory (a pod's tree: any shape, symlinks never followed); DraError

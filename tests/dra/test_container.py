@@ -74,7 +74,7 @@ def rcs(stdout: str) -> list[tuple[str, int]]:
 def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fake_cuda_dir, cuclient):
     ids, plugin = prepared
     assert ids == {"a": "mpsd.io/claim=uid-a", "b": "mpsd.io/claim=uid-b"}
-    rec_a = plugin.preparer.store.get("uid-a")
+    rec_a = plugin.preparer.store.get("claim-uid-a")
 
     # the environment, the shim, the region directory and the read-only pipe directory
     script = ("env | sort; ls -l /run/mpsd-shim/libmpsshim.so; touch /run/mpsd/probe && echo region-writable; "
@@ -102,5 +102,5 @@ def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fa
                                           "alloc", str(1 * GIB)], fake_cuda_dir, cuclient)
     assert r.returncode == 0, r.output
     assert rcs(r.stdout)[-3:] == [("alloc", 2), ("alloc", 0), ("alloc", 2)], r.output
-    rec_b = plugin.preparer.store.get("uid-b")
+    rec_b = plugin.preparer.store.get("claim-uid-b")
     assert rec_b.region_dir != rec_a.region_dir and os.path.exists(os.path.join(rec_b.region_dir, "region"))
