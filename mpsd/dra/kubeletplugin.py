@@ -74,8 +74,10 @@ class DraServicer:
     def NodePrepareResources(self, request, context):
         response = self.pb2.NodePrepareResourcesResponse()
         refs = _refs(request)
-        for uid, outcome in zip(refs, self.pool.map(self._prepare, refs.values()), strict=True):
+        outcomes = self.preparer.prepare_many(list(refs.values()), map_fn=self.pool.map)
+        for uid, outcome in outcomes.items():
             if isinstance(outcome, str):
+                log.error("NodePrepareResources claim=%s error=%s", refs[uid], outcome)
                 response.claims[uid].error = outcome
             else:
                 response.claims[uid].devices.extend(_devices(self.pb2, outcome))
@@ -83,24 +85,13 @@ class DraServicer:
 
     def NodeUnprepareResources(self, request, context):
         response = self.pb2.NodeUnprepareResourcesResponse()
-        for uid, ref in _refs(request).items():
-            try:
-                self.preparer.unprepare(ref)
-                response.claims[uid].SetInParent()
-            except MpsdError as exc:
-                log.error("NodeUnprepareResources claim=%s error=%s", ref, exc)
-                response.claims[uid].error = one_line(exc)
+        refs = _refs(request)
+        for uid, error in self.preparer.unprepare_many(list(refs.values())).items():
+            response.claims[uid].SetInParent()
+            if error:
+                log.error("NodeUnprepareResources claim=%s error=%s", refs[uid], error)
+                response.claims[uid].error = error
         return response
-
-    def _prepare(self, ref: ClaimRef) -> PreparedClaim | str:
-        try:
-            return self.preparer.prepare(ref)
-        except MpsdError as exc:
-            log.error("NodePrepareResources claim=%s uid=%s error=%s", ref, ref.uid, exc)
-            return one_line(exc)
-        except Exception as exc:  # a bug: this claim fails in one line, the others go on
-            log.exception("NodePrepareResources failed claim=%s", ref)
-            return f"claim {ref}: internal error: {type(exc).__name__}: {one_line(exc)[:200]}"
 
 
 def _refs(request) -> dict[str, ClaimRef]:

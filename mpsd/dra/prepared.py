@@ -35,7 +35,7 @@ from ..plugin.slicing import GpuLike, GpuShare, Plan
 from ..plugin.state import StateStore
 from ..trees import remove_tree
 from . import cdi
-from .claims import ClaimRef, Result, plan_claim
+from .claims import ClaimPlan, ClaimRef, Result, plan_claim
 
 log = logging.getLogger(__name__)
 
@@ -168,52 +168,79 @@ class Preparer:
     # -- the kubelet's calls ----------------------------------------------------------------
 
     def prepare(self, ref: ClaimRef) -> PreparedClaim:
-        cdi.check_uid(ref.uid)
+        """One claim; DraError with its one line."""
+        outcome = self.prepare_many([ref])[ref.uid]
+        if isinstance(outcome, str):
+            raise DraError(outcome)
+        return outcome
+
+    def prepare_many(self, refs: Sequence[ClaimRef], map_fn: Callable = map) -> dict[str, PreparedClaim | str]:
+        """The claims of one NodePrepareResources: each prepared, or its one-line error. The claims
+        are read from the API server through ``map_fn`` (a thread pool's map reads them at once),
+        then written under the lock, and all their records go in one journal line."""
+        outcomes: dict[str, PreparedClaim | str] = {}
+        todo: list[ClaimRef] = []
+        refs = list({ref.uid: ref for ref in refs}.values())  # one claim named twice is prepared once
         with self.lock:
-            done = self.store.get(claim_key(ref.uid))
-            if done is not None and done.phase == PREPARED:
-                self._ensure(done)
-                log.info("claim already prepared claim=%s uid=%s", ref, ref.uid)
-                return done
+            for ref in refs:
+                try:
+                    cdi.check_uid(ref.uid)
+                    done = self.store.get(claim_key(ref.uid))
+                    if done is not None and done.phase == PREPARED:
+                        self._ensure(done)
+                        log.info("claim already prepared claim=%s uid=%s", ref, ref.uid)
+                        outcomes[ref.uid] = done
+                    else:
+                        todo.append(ref)
+                except MpsdError as exc:
+                    outcomes[ref.uid] = one_line(exc)
+        planned = list(map_fn(self._plan, todo))
+        with self.lock:
+            made = []
+            for ref, plan in zip(todo, planned, strict=True):
+                if isinstance(plan, str):
+                    outcomes[ref.uid] = plan
+                    continue
+                try:
+                    rec, new = self._make(ref, plan)
+                except MpsdError as exc:
+                    outcomes[ref.uid] = one_line(exc)
+                    continue
+                if new:
+                    made.append(rec)
+                outcomes[ref.uid] = rec
+            outcomes.update(self._record(made))
+        return outcomes
+
+    def _plan(self, ref: ClaimRef) -> ClaimPlan | str:
+        """The claim from the API server, checked and turned into limits; or why not, in one line."""
         try:
             claim = self.get_claim(ref.namespace, ref.name)
         except MpsdError as exc:
-            raise DraError(f"claim {ref}: {one_line(exc)}") from exc
+            return f"claim {ref}: {one_line(exc)}"
         except Exception as exc:  # a client library's own error: one line, the kubelet retries
-            raise DraError(f"claim {ref}: API server: {type(exc).__name__}: {one_line(exc)[:300]}") from exc
-        planned = plan_claim(claim, ref, driver=self.driver, node=self.node, pool=self.pool, gpus=self.gpus,
-                             slices_per_gpu=self.slices_per_gpu)
-        with self.lock:
-            done = self.store.get(claim_key(ref.uid))
-            if done is not None and done.phase == PREPARED:  # prepared meanwhile by a concurrent call
-                return done
-            if done is not None:
-                self._remove(done)  # a rollback that failed before: finish it
-            self.cdi.check()  # refused before anything is written
-            rec = PreparedClaim(
-                uid=ref.uid, namespace=ref.namespace, name=ref.name, results=planned.results,
-                gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
-                client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
-                phase=PREPARED, created=time.time(), pods=planned.pods,
-            )
-            return self._create(rec)
+            return f"claim {ref}: API server: {type(exc).__name__}: {one_line(exc)[:300]}"
+        try:
+            return plan_claim(claim, ref, driver=self.driver, node=self.node, pool=self.pool, gpus=self.gpus,
+                              slices_per_gpu=self.slices_per_gpu)
+        except MpsdError as exc:
+            return one_line(exc)
 
-    def unprepare(self, ref: ClaimRef) -> None:
-        cdi.check_uid(ref.uid)
-        with self.lock:
-            rec = self.store.get(claim_key(ref.uid))
-            if rec is None:
-                log.info("claim not prepared here, nothing to undo claim=%s uid=%s", ref, ref.uid)
-                return
-            self._remove(rec)
-            log.info("claim unprepared claim=%s uid=%s", rec.ref, ref.uid)
-
-    def prepared(self) -> list[PreparedClaim]:
-        return [r for r in self.store.all() if r.phase == PREPARED]
-
-    # -- steps ------------------------------------------------------------------------------
-
-    def _create(self, rec: PreparedClaim) -> PreparedClaim:
+    def _make(self, ref: ClaimRef, planned: ClaimPlan) -> tuple[PreparedClaim, bool]:
+        """Directory and spec of a claim (under the lock), and whether they are new; the record
+        is written by _record."""
+        done = self.store.get(claim_key(ref.uid))
+        if done is not None and done.phase == PREPARED:  # prepared meanwhile by a concurrent call
+            return done, False
+        if done is not None:
+            self._remove(done)  # a record of another phase: rolled back first
+        self.cdi.check()  # refused before anything is written
+        rec = PreparedClaim(
+            uid=ref.uid, namespace=ref.namespace, name=ref.name, results=planned.results,
+            gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
+            client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
+            phase=PREPARED, created=time.time(), pods=planned.pods,
+        )
         try:
             directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
         except MpsdError as exc:
@@ -222,18 +249,68 @@ class Preparer:
         rec = replace(rec, region_dir=directory)
         try:
             self._write_spec(rec)
-            self.step("spec")
-            self.store.put(rec)
-        except (MpsdError, OSError) as exc:
+        except MpsdError as exc:
             self._rollback(rec)
             raise DraError(f"claim {rec.ref}: {one_line(exc)}") from exc
+        self.step("spec")
+        return rec, True
+
+    def _record(self, made: list[PreparedClaim]) -> dict[str, PreparedClaim | str]:
+        """One journal line for all claims made; on failure all of them rolled back."""
+        if not made:
+            return {}
+        try:
+            self.store.put_many(made)
+        except MpsdError as exc:
+            for rec in made:
+                self._rollback(rec)
+            return {rec.uid: f"claim {rec.ref}: {one_line(exc)}" for rec in made}
         self.step("prepared")
-        log.info(
-            "claim prepared claim=%s uid=%s devices=%s memory_limits=%s thread_percentage=%s region=%s",
-            rec.ref, rec.uid, ",".join(f"{r.pool}/{r.device}" for r in rec.results), rec.memory_limits,
-            rec.active_thread_percentage, os.path.basename(rec.region_dir),
-        )
-        return rec
+        for rec in made:
+            log.info(
+                "claim prepared claim=%s uid=%s devices=%s memory_limits=%s thread_percentage=%s region=%s",
+                rec.ref, rec.uid, ",".join(f"{r.pool}/{r.device}" for r in rec.results), rec.memory_limits,
+                rec.active_thread_percentage, os.path.basename(rec.region_dir),
+            )
+        return {rec.uid: rec for rec in made}
+
+    def unprepare(self, ref: ClaimRef) -> None:
+        """One claim; DraError with its one line."""
+        outcome = self.unprepare_many([ref])[ref.uid]
+        if outcome:
+            raise DraError(outcome)
+
+    def unprepare_many(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
+        """The claims of one NodeUnprepareResources: "" when gone (or never here), else why not.
+        Specs and directories first, then one journal line for the records of those removed."""
+        outcomes: dict[str, str] = {}
+        gone = []
+        with self.lock:
+            for ref in refs:
+                outcomes[ref.uid] = ""
+                try:
+                    cdi.check_uid(ref.uid)
+                    rec = self.store.get(claim_key(ref.uid))
+                    if rec is None:
+                        log.info("claim not prepared here, nothing to undo claim=%s uid=%s", ref, ref.uid)
+                        continue
+                    self._remove_files(rec)
+                    gone.append(rec)
+                except MpsdError as exc:
+                    outcomes[ref.uid] = one_line(exc)
+            try:
+                self.store.remove([rec.allocation_id for rec in gone])
+            except MpsdError as exc:  # the records stay: the kubelet's retry removes them
+                outcomes.update({rec.uid: f"claim {rec.ref}: {one_line(exc)}" for rec in gone})
+                return outcomes
+        for rec in gone:
+            log.info("claim unprepared claim=%s uid=%s", rec.ref, rec.uid)
+        return outcomes
+
+    def prepared(self) -> list[PreparedClaim]:
+        return [r for r in self.store.all() if r.phase == PREPARED]
+
+    # -- steps ------------------------------------------------------------------------------
 
     def _rollback(self, rec: PreparedClaim) -> None:
         try:
@@ -243,12 +320,15 @@ class Preparer:
 
     def _remove(self, rec: PreparedClaim) -> None:
         """Spec, directory, then record: a crash in between leaves a record to finish it with."""
+        self._remove_files(rec)
+        self.store.remove([rec.allocation_id])
+
+    def _remove_files(self, rec: PreparedClaim) -> None:
         self.cdi.remove(rec.spec_name)
         self.step("spec removed")
         if rec.region_dir:
             self._remove_dir(rec.region_dir)
         self.step("directory removed")
-        self.store.remove([rec.allocation_id])
 
     def _ensure(self, rec: PreparedClaim) -> None:
         """A prepared claim's directory and spec exist and the spec is what the record says."""

@@ -236,3 +236,33 @@ def test_a_deep_tree_a_pod_left_in_its_claims_directory_is_removed_by_unprepare(
     p.unprepare(REF)
     assert files(env) == ([], []) and victim.read_text() == "keep"
     assert env.loaded().store.all() == []
+
+
+def test_the_claims_of_one_call_are_recorded_in_one_journal_line(env):
+    for i in range(4):
+        env.claims.put(claim(uid=f"uid-{i}", name=f"c{i}", results=[result(memory="1Gi")]))
+    p = env.loaded()
+    lines = p.store.journal_lines
+    out = p.prepare_many([ClaimRef("ns", f"c{i}", f"uid-{i}") for i in range(4)] + [ClaimRef("ns", "c0", "uid-0")])
+    assert sorted(out) == ["uid-0", "uid-1", "uid-2", "uid-3"] and all(r.phase == PREPARED for r in out.values())
+    assert p.store.journal_lines == lines + 1
+    assert len(files(env)[0]) == 4  # named twice, prepared once
+    refs = [ClaimRef("ns", f"c{i}", f"uid-{i}") for i in range(4)]
+    assert p.unprepare_many(refs) == {f"uid-{i}": "" for i in range(4)}
+    assert p.store.journal_lines == lines + 2 and files(env) == ([], [])
+
+
+def test_a_journal_that_cannot_be_written_fails_every_claim_of_the_call_and_leaves_nothing(env, monkeypatch):
+    from mpsd.errors import PluginError
+
+    for i in range(2):
+        env.claims.put(claim(uid=f"uid-{i}", name=f"c{i}"))
+    p = env.loaded()
+
+    def full(items):
+        raise PluginError("cannot write dra-state.json.journal: No space left on device")
+
+    monkeypatch.setattr(p.store, "put_many", full)
+    out = p.prepare_many([ClaimRef("ns", "c0", "uid-0"), ClaimRef("ns", "c1", "uid-1")])
+    assert all("No space left on device" in out[u] and "\n" not in out[u] for u in ("uid-0", "uid-1"))
+    assert files(env) == ([], [])
