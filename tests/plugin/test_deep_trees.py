@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpsd.plugin.state import Allocation
 from mpsd.trees import remove_tree
@@ -83,6 +85,38 @@ def test_remove_tree_survives_any_depth_and_follows_no_link(scratch, host_dir):
     assert not top.exists()
     assert (host_dir / "precious").read_text() == "host data"  # nothing followed
     assert remove_tree(str(top)).complete  # a tree already gone is no error
+
+
+# a tree as a list of (parent index, kind): entry i is made in entry parent's directory (-1: the top)
+KINDS = ("dir", "file", "fifo", "link-to-host-dir", "link-to-host-file", "dangling-link")
+trees = st.lists(st.tuples(st.integers(-1, 40), st.sampled_from(KINDS)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees)
+def test_remove_tree_removes_any_tree_and_touches_nothing_outside(tmp_path_factory, shape):
+    base = tmp_path_factory.mktemp("shape")
+    host = base / "host"
+    host.mkdir()
+    (host / "precious").write_text("host data")
+    top = base / "tree"
+    top.mkdir()
+    dirs = [top]
+    for n, (parent, kind) in enumerate(shape):
+        where = dirs[parent % len(dirs)] / f"e{n}"
+        if kind == "dir":
+            where.mkdir()
+            dirs.append(where)
+        elif kind == "file":
+            where.write_bytes(b"x")
+        elif kind == "fifo":
+            os.mkfifo(where)
+        else:
+            targets = {"link-to-host-dir": host, "link-to-host-file": host / "precious"}
+            where.symlink_to(targets.get(kind, base / "gone"))
+    result = remove_tree(str(top))
+    assert result.complete, result.error
+    assert not top.exists() and os.listdir(host) == ["precious"] and (host / "precious").read_text() == "host data"
 
 
 def test_remove_tree_unlinks_a_symlink_in_place_of_the_tree(scratch, host_dir):
