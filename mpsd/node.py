@@ -101,9 +101,15 @@ class InventoryPump:
                 self._pending = False
             self.refresh()
 
-    def refresh(self) -> None:
-        if self._metrics is not None and self._regions is not None:
+    def refresh(self, regions: bool = True) -> None:
+        """NVML's view, then (``regions``) the regions of mpsd exec. The regions are files
+        others write and can take long to read: never on the start path (``run`` refreshes
+        without them), and after NVML so that a slow read never delays the GPU series."""
+        self._refresh_gpus()
+        if regions and self._metrics is not None and self._regions is not None:
             self._metrics.set_regions(self._regions())
+
+    def _refresh_gpus(self) -> None:
         if self._inventory is None:
             return
         try:
@@ -167,7 +173,7 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         metrics = Metrics()
     regions = exec_regions(config, metrics)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
-    pump.refresh()  # the GPU indices, before any health check needs them
+    pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
     supervisor = Supervisor(
         config,
         board,

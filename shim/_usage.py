@@ -1,7 +1,8 @@
 """Reading a container's accounting region through libmpsshim.so (cffi, ABI mode).
 
 The library exports ``int mpsshim_usage(const char *path, ms_snapshot *out, char *err,
-size_t errlen)`` and ``mpsshim_usage_fd(int fd, ...)`` (used here, on a file checked first);
+size_t errlen)`` and ``mpsshim_usage_fd(int fd, ...)`` (used here, on a file checked first, its
+size against ``mpsshim_region_size()``);
 ``ms_snapshot`` is declared in csrc/region.h and mirrored in CDEF below
 (tests/e2e/test_shim_package.py compares sizes and offsets with a C compiler's).
 """
@@ -43,6 +44,7 @@ typedef struct ms_snapshot {{
 
 int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
 int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
+size_t mpsshim_region_size(void);
 """
 
 
@@ -88,6 +90,7 @@ def _load(path: str) -> tuple[Any, Any]:
     try:
         lib = ffi.dlopen(path)
         lib.mpsshim_usage_fd  # noqa: B018 - resolve now, fail here if the export is missing
+        lib.mpsshim_region_size  # noqa: B018
     except (OSError, AttributeError) as exc:
         raise ShimError(f"cannot use {path} to read regions: {exc}") from exc
     return ffi, lib
@@ -122,6 +125,16 @@ def open_region(path: str | os.PathLike[str]) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_size(fd: int, path: str, size: int) -> None:
+    """RegionError unless the open file ``fd`` is exactly ``size`` bytes (the library's
+    layout): checked on the descriptor before a byte is copied, so that a file of any other
+    size costs one fstat, not a copy of up to MAX_REGION_BYTES."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise RegionError(f"cannot read region {path!r}: region {path} is {actual} bytes, expected {size} "
+                          "(truncated, or not this shim's layout)", "corrupted")
 
 
 def private_copy(src: int, name: str) -> int:
@@ -171,6 +184,7 @@ def usage(
     finally:
         os.close(held)
     try:
+        check_size(live, str(path), int(lib.mpsshim_region_size()))
         fd = private_copy(live, repr(str(path))) if copy else live
         try:
             if lib.mpsshim_usage_fd(fd, live, snap, err, ERR_LEN) != 0:

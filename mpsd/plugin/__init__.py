@@ -42,7 +42,7 @@ from ..health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
-from .servicer import UNARY_WORKERS, Servicer
+from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
 from .slicing import GpuLike, advertised_ids
 from .state import StateStore, install_file
 from .usage import UsageReader, UsageTracker, shim_usage
@@ -145,14 +145,7 @@ class DevicePlugin:
             _log_bound(regionfs, "shmDir", self.paths.shm_dir, "1Gi --mode 1777 --label shmDir",
                        "deploy/overlays/tmpfs")
         for allocation in self.store.all():
-            if not os.path.isdir(allocation.region_dir):
-                log.warning(
-                    "region directory missing, re-creating allocation=%s path=%s",
-                    allocation.allocation_id,
-                    allocation.region_dir,
-                )
-                os.makedirs(allocation.region_dir, exist_ok=True)
-                os.chmod(allocation.region_dir, 0o777)
+            restore_region_dir(allocation, self.paths.region_dir)
         self._serve()
         self.check()
         loops = [("mpsd-plugin-watch", self._watch_loop)]

@@ -199,3 +199,29 @@ def test_a_client_truncating_its_region_cannot_kill_mpsd_run(holder_exe, shim_li
     region.parent.mkdir(parents=True)
     holder = hold(holder_exe, region, f"0:{8 * G}:{G}")
     reader_survives_truncation(holder, region, READER, str(tmp_path / "exec"), str(shim_lib))
+
+
+def bytes_read() -> int:
+    """What this process has read through read(2)/pread(2) so far (/proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_a_region_of_the_wrong_size_is_refused_before_a_byte_of_it_is_copied(shim_lib, tmp_path):
+    import pytest
+
+    import shim
+    from shim._usage import MAX_REGION_BYTES
+
+    root = tmp_path / "exec"
+    for k in range(4):  # files as large as the reader ever took (sparse: no disk needed)
+        (root / f"r{k}").mkdir(parents=True)
+        with open(root / f"r{k}" / "region", "wb") as f:
+            f.truncate(MAX_REGION_BYTES)
+    before = bytes_read()
+    rows = ExecRegions(str(root), lambda: str(shim_lib))()
+    read = bytes_read() - before
+    assert rows == []  # each refused, none stops the others
+    assert read < 4 * M, f"{read} bytes read"  # the library's own load, not 4 x 64 MiB of copies
+    with pytest.raises(shim.RegionError, match=r"r0/region is 67108864 bytes, expected \d+ \(truncated"):
+        shim.usage(root / "r0" / "region", library=str(shim_lib), copy=True)
