@@ -157,6 +157,8 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         device IDs again (a new pod on the same slices) get a new directory too: the previous
         tenant's files (a region whose lock it poisoned, say) never reach the next pod; its
         directory, no longer named by the state, is removed by garbage collection."""
+        if not plans:
+            return []
         with self.store.lock:
             directories: list[str] = []
             try:

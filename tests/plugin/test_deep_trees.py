@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpsd.plugin.state import Allocation
 from mpsd.trees import remove_tree
@@ -54,19 +57,26 @@ def three_allocations(plugin) -> list[tuple[list[str], Allocation]]:
 
 
 @pytest.fixture
-def host_dir(tmp_path: Path) -> Iterator[Path]:
-    """A host directory the pods' symlinks point at; at the end the whole of ``tmp_path`` is
-    removed here, whatever a failed test left (pytest's own clean-up recurses)."""
-    d = tmp_path / "host"
+def scratch() -> Iterator[Path]:
+    """A directory for deep trees outside pytest's own temporary directories (pytest removes
+    old ones recursively: a tree a killed run left there would break a later session's
+    clean-up), removed here with remove_tree whatever a failed test left."""
+    d = Path(tempfile.mkdtemp(prefix="deeptrees-", dir="/tmp"))
+    yield d
+    remove_tree(str(d))
+
+
+@pytest.fixture
+def host_dir(scratch: Path) -> Path:
+    """A host directory the pods' symlinks point at."""
+    d = scratch / "host"
     d.mkdir()
     (d / "precious").write_text("host data")
-    yield d
-    for name in os.listdir(tmp_path):
-        remove_tree(str(tmp_path / name))
+    return d
 
 
-def test_remove_tree_survives_any_depth_and_follows_no_link(tmp_path, host_dir):
-    top = tmp_path / "tree"
+def test_remove_tree_survives_any_depth_and_follows_no_link(scratch, host_dir):
+    top = scratch / "tree"
     top.mkdir()
     plant_deep_tree(str(top), str(host_dir))
     (top / "link-to-host-file").symlink_to(host_dir / "precious")
@@ -77,15 +87,47 @@ def test_remove_tree_survives_any_depth_and_follows_no_link(tmp_path, host_dir):
     assert remove_tree(str(top)).complete  # a tree already gone is no error
 
 
-def test_remove_tree_unlinks_a_symlink_in_place_of_the_tree(tmp_path, host_dir):
-    top = tmp_path / "tree"
+# a tree as a list of (parent index, kind): entry i is made in entry parent's directory (-1: the top)
+KINDS = ("dir", "file", "fifo", "link-to-host-dir", "link-to-host-file", "dangling-link")
+trees = st.lists(st.tuples(st.integers(-1, 40), st.sampled_from(KINDS)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees)
+def test_remove_tree_removes_any_tree_and_touches_nothing_outside(tmp_path_factory, shape):
+    base = tmp_path_factory.mktemp("shape")
+    host = base / "host"
+    host.mkdir()
+    (host / "precious").write_text("host data")
+    top = base / "tree"
+    top.mkdir()
+    dirs = [top]
+    for n, (parent, kind) in enumerate(shape):
+        where = dirs[parent % len(dirs)] / f"e{n}"
+        if kind == "dir":
+            where.mkdir()
+            dirs.append(where)
+        elif kind == "file":
+            where.write_bytes(b"x")
+        elif kind == "fifo":
+            os.mkfifo(where)
+        else:
+            targets = {"link-to-host-dir": host, "link-to-host-file": host / "precious"}
+            where.symlink_to(targets.get(kind, base / "gone"))
+    result = remove_tree(str(top))
+    assert result.complete, result.error
+    assert not top.exists() and os.listdir(host) == ["precious"] and (host / "precious").read_text() == "host data"
+
+
+def test_remove_tree_unlinks_a_symlink_in_place_of_the_tree(scratch, host_dir):
+    top = scratch / "tree"
     top.symlink_to(host_dir)
     assert remove_tree(str(top)).complete
     assert not os.path.lexists(top) and (host_dir / "precious").exists()
 
 
-def test_remove_tree_work_is_bounded_and_a_later_call_finishes(tmp_path, host_dir):
-    top = tmp_path / "tree"
+def test_remove_tree_work_is_bounded_and_a_later_call_finishes(scratch, host_dir):
+    top = scratch / "tree"
     top.mkdir()
     plant_deep_tree(str(top), str(host_dir), depth=200)
     first = remove_tree(str(top), max_steps=100)
@@ -150,21 +192,21 @@ def test_a_directory_that_cannot_be_removed_is_one_line_and_the_round_goes_on(en
         pr.stop()
 
 
-def test_mpsd_exec_returns_its_childs_code_after_a_deep_tree_in_its_region_dir(tmp_path, host_dir):
+def test_mpsd_exec_returns_its_childs_code_after_a_deep_tree_in_its_region_dir(scratch, host_dir):
     child = (
         "import os, sys; sys.path.insert(0, sys.argv[1]);"
         "from tests.plugin.test_deep_trees import plant_deep_tree;"
         "plant_deep_tree(os.path.dirname(os.environ['MPSSHIM_REGION']), sys.argv[2]); sys.exit(7)"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "mpsd", "exec", f"--state-dir={tmp_path / 'state'}", "--",
+        [sys.executable, "-m", "mpsd", "exec", f"--state-dir={scratch / 'state'}", "--",
          sys.executable, "-c", child, str(REPO), str(host_dir)],
         capture_output=True, text=True, cwd=REPO, timeout=120,
         env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
     )
     assert result.returncode == 7, result.stderr
     assert "Traceback" not in result.stderr
-    assert os.listdir(tmp_path / "state" / "exec") == []  # its region directory is gone
+    assert os.listdir(scratch / "state" / "exec") == []  # its region directory is gone
     assert (host_dir / "precious").read_text() == "host data"
 
 
