@@ -264,12 +264,12 @@ def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: thre
 
         return run_dra
 
-    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop)
+    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus)
 
 
 def _start_service(
     label: str, load: Callable[[], Callable], config: cfg.Config, board: HealthBoard, metrics, gpus,
-    stop: threading.Event,
+    stop: threading.Event, **extra,
 ) -> PluginRun:
     """Run ``load()(config, pipe_dir=..., gpus=..., ...)`` in a thread until ``stop``; a failure
     to start or a stop nobody asked for is the run's ``problem`` (and the board's last error)."""
@@ -300,6 +300,7 @@ def _start_service(
                 shim_library=shim_library,
                 stop=stop,
                 state_dir=config.state_dir,
+                **extra,
             )
         except MpsdError as exc:
             plugin.problem = f"{label} stopped: {exc}"

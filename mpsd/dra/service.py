@@ -2,7 +2,8 @@
 
 Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's run_plugin)::
 
-    run_dra(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, api=None)
+    run_dra(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, api=None,
+            gpu_lister=None)
 
 - the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
   its pool has the node's name (mpsd/dra/slices.py publishes it so);
@@ -27,7 +28,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..errors import MpsdError
 from ..health import HealthBoard
@@ -100,6 +101,7 @@ def run_dra(
     stop: threading.Event,
     state_dir: str | None = None,
     api=None,
+    gpu_lister: Callable[[], Sequence[GpuLike]] | None = None,
 ) -> None:
     """Serve the DRA plugin until ``stop`` is set (see the module docstring)."""
     state_dir = state_dir or config.state_dir
@@ -119,7 +121,7 @@ def run_dra(
         plugin.registration.on_registered = publisher.invalidate  # the kubelet wipes slices at its start
         try:
             plugin.start()
-            publish_until(stop, publisher, gpus)
+            publish_until(stop, publisher, gpus, gpu_lister, plugin.preparer)
         finally:
             plugin.stop()  # deregistered first: no new Prepare while the slices go
             try:
@@ -142,12 +144,22 @@ def _node_uid(api, node: str) -> str | None:
 
 
 def publish_until(stop: threading.Event, publisher: SlicePublisher, gpus: Sequence[GpuLike],
+                  gpu_lister: Callable[[], Sequence[GpuLike]] | None = None, preparer: Preparer | None = None,
                   interval: float = PUBLISH_INTERVAL) -> None:
-    """Keep the node's ResourceSlices equal to ``gpus`` until ``stop``: at once, then every
+    """Keep the node's ResourceSlices equal to the GPUs until ``stop``: at once, then every
     ``interval`` (publish makes no API call while nothing changed, and checks the server at its
-    resync interval or after a registration); an API failure is logged once and retried."""
+    resync interval or after a registration); an API failure is logged once and retried. With
+    ``gpu_lister`` (NVML through mpsd's inventory) the GPUs are listed again each round: a GPU
+    that appears, goes or changes is published, and Prepare checks claims against the new list
+    (an empty listing, NVML failing for a moment, keeps the last one)."""
     last = ""
     while True:
+        listed = list(gpu_lister()) if gpu_lister is not None else []
+        if listed and listed != list(gpus):
+            log.info("GPUs changed, publishing them gpus=%s", ",".join(str(g.index) for g in listed))
+            gpus = listed
+            if preparer is not None:
+                preparer.gpus = listed
         try:
             publisher.publish(gpus)
             last = ""

@@ -25,6 +25,7 @@ class Running:
     """run_dra in a thread, registered by a stand-in kubelet."""
 
     def __init__(self, env, config, library):
+        self.gpus = list(GPUS)  # what the inventory lists now
         self.stop_event = threading.Event()
         self.errors: list[Exception] = []
         self.thread = threading.Thread(target=self._serve, args=(env, config, library))
@@ -40,7 +41,7 @@ class Running:
     def _serve(self, env, config, library):
         try:
             service.run_dra(config, pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=HealthBoard(), metrics=None,
-                            shim_library=str(library), stop=self.stop_event)
+                            shim_library=str(library), stop=self.stop_event, gpu_lister=lambda: self.gpus)
         except Exception as exc:  # reported by stop()
             self.errors.append(exc)
 
@@ -83,6 +84,22 @@ def test_slices_are_published_while_it_runs_and_removed_on_shutdown(apiserver, r
     assert [d["name"] for d in slice_["spec"]["devices"]] == ["gpu-0"]
     running.stop()
     assert apiserver.pool_slices("gpu.mpsd.io", NODE) == []
+
+
+def test_a_gpu_that_appears_is_published_and_claims_on_it_are_prepared(apiserver, running):
+    assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
+    apiserver.put_claim(claim(results=[result(device="gpu-1", memory="4Gi")]))
+    assert "GPU 1 is not on this node" in running.kubelet.prepare(CLAIM).claims["uid-1"].error
+    running.gpus = [*GPUS, Gpu(1, "GPU-00000001-aaaa-bbbb-cccc-000000000001", "Fake H100", 80 * GIB, 0, (9, 0), False)]
+
+    def published():
+        return sorted(d["name"] for s in apiserver.pool_slices("gpu.mpsd.io", NODE) for d in s["spec"]["devices"])
+
+    assert wait_for(lambda: published() == ["gpu-0", "gpu-1"])
+    assert running.kubelet.prepare(CLAIM).claims["uid-1"].error == ""
+    running.gpus = []  # NVML failing for a moment: the last listing stays
+    time.sleep(0.5)
+    assert published() == ["gpu-0", "gpu-1"]
 
 
 def test_a_claim_on_the_api_server_is_prepared_and_unprepared(env, apiserver, running):
