@@ -4,10 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, and what the
-# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with.
+# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, and the real
+# Prometheus (with promtool) the dashboard and alert tests run.
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux; do
+for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux prometheus:prometheus; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +81,38 @@ def assert_flags_known(argv: list[str]) -> None:
     assert argv[0] == "run"
     for flag in [a.split("=")[0] for a in argv if a.startswith("--")]:
         assert re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", help_text), f"{flag} not in `mpsd run --help`"
+
+
+LIVE_NODE, FED_NODE = "node-a", "node-b"  # node labels of the live mpsd run and of the fed exporter
+
+
+@dataclass
+class Monitored:
+    """A real Prometheus that scraped the live node and the fed exporter at least twice."""
+
+    prometheus: Any  # tests.deploy.prometheus.Prometheus
+    names: set[str]  # every metric name Prometheus holds
+
+
+@pytest.fixture(scope="session")
+def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
+    """Prometheus scraping a live `mpsd run` (tests/deploy/livenode.py) as node-a and the fed
+    exporter as node-b, through the ServiceMonitor's relabelings; skipped only where there is
+    no prometheus binary (scripts/test.sh installs it, so CI runs it)."""
+    from tests.deploy import prometheus
+    from tests.deploy.livenode import fed_exporter, live_node
+    from tests.mpsbin import FetchError, ensure_mps_control
+
+    if prometheus.binary() is None:
+        pytest.skip("no prometheus binary on PATH: apt-get install prometheus (scripts/test.sh installs it)")
+    try:
+        control = ensure_mps_control()
+    except FetchError as exc:  # CI has the network: a failed fetch is a failure, not a skip
+        pytest.fail(f"could not fetch nvidia-cuda-mps-control: {exc}")
+    servicemonitor = yaml.safe_load((DEPLOY / "components/servicemonitor/servicemonitor.yaml").read_text())
+    with live_node(control, fake_cuda_dir, shim_lib) as node, fed_exporter() as fed:
+        targets = {f"127.0.0.1:{node.port}": LIVE_NODE, f"127.0.0.1:{fed.port}": FED_NODE}
+        job = prometheus.servicemonitor_job(servicemonitor, targets)
+        with prometheus.running(tmp_path_factory.mktemp("prometheus"), [job]) as prom:
+            prom.wait_for_scrapes(2, targets=len(targets))
+            yield Monitored(prom, set(prom.api("label/__name__/values")))
