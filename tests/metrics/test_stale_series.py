@@ -10,11 +10,9 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from mpsd.exec_regions import RegionUsage
-from mpsd.inventory import Client, Gpu
-from mpsd.metrics import AllocationUsage, Metrics
+from benchmarks.metrics_cardinality import world
+from mpsd.metrics import Metrics
 
-G = 1 << 30
 BOUNDED = {"method", "kind", "reason"}  # label values from a fixed set in the code, never from a pod or pid
 REPLACED = {  # family -> the setter that replaces its labelled group (exercised below)
     "mpsd_last_error_info": "set_last_error",
@@ -44,23 +42,6 @@ def series(m: Metrics) -> dict[str, set[tuple[tuple[str, str], ...]]]:
 
 def count(m: Metrics) -> int:
     return sum(len(v) for v in series(m).values())
-
-
-def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2) -> None:
-    """Push one node's state: ``pods`` allocations and ``regions`` exec regions, each with a
-    process; names and pids carry ``tag``, so two worlds share no per-entity label."""
-    base = 1000 * (1 + sum(map(ord, tag)))
-    m.set_last_error(f"error in world {tag}")
-    m.set_mps_servers({g: 1 for g in range(gpus)})
-    m.set_device_health({g: True for g in range(gpus)})
-    m.observe_inventory(
-        [Gpu(g, f"GPU-{tag}-{g}", "H100", 80 * G, G, (9, 0), False) for g in range(gpus)],
-        [Client(i % gpus, base + i, G) for i in range(pods + regions)],
-    )
-    m.set_allocations(
-        AllocationUsage(f"alloc-{tag}-{i}", f"pod-{tag}-{i}", "ns", "c", i % gpus, 8 * G, G) for i in range(pods)
-    )
-    m.set_regions(RegionUsage(f"region-{tag}-{i}", 0, 4 * G, G, ((base + i, G),)) for i in range(regions))
 
 
 def test_every_labelled_family_is_replaced_as_a_whole_or_bounded() -> None:
