@@ -94,11 +94,12 @@ class Monitored:
     names: set[str]  # every metric name Prometheus holds
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     """Prometheus scraping a live `mpsd run` (tests/deploy/livenode.py) as node-a and the fed
     exporter as node-b, through the ServiceMonitor's relabelings; skipped only where there is
-    no prometheus binary (scripts/test.sh installs it, so CI runs it)."""
+    no prometheus binary (scripts/test.sh installs it, so CI runs it). Per module: nothing
+    keeps running beside the rest of the suite."""
     from tests.deploy import prometheus
     from tests.deploy.livenode import fed_exporter, live_node
     from tests.mpsbin import FetchError, ensure_mps_control
