@@ -83,6 +83,7 @@ def assert_flags_known(argv: list[str]) -> None:
         assert re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", help_text), f"{flag} not in `mpsd run --help`"
 
 
+RULES = DEPLOY / "components/alerts/mpsd.rules.yml"  # the plain alert rule file, loaded when there
 LIVE_NODE, FED_NODE = "node-a", "node-b"  # node labels of the live mpsd run and of the fed exporter
 
 
@@ -97,9 +98,10 @@ class Monitored:
 @pytest.fixture(scope="module")
 def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     """Prometheus scraping a live `mpsd run` (tests/deploy/livenode.py) as node-a and the fed
-    exporter as node-b, through the ServiceMonitor's relabelings; skipped only where there is
-    no prometheus binary (scripts/test.sh installs it, so CI runs it). Per module: nothing
-    keeps running beside the rest of the suite."""
+    exporter as node-b, through the ServiceMonitor's relabelings, evaluating the alert rules
+    of RULES (tests/deploy/test_alert_queries.py fails if the file is missing); skipped only
+    where there is no prometheus binary (scripts/test.sh installs it, so CI runs it). Per
+    module: nothing keeps running beside the rest of the suite."""
     from tests.deploy import prometheus
     from tests.deploy.livenode import fed_exporter, live_node
     from tests.mpsbin import FetchError, ensure_mps_control
@@ -114,6 +116,7 @@ def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.Temp
     with live_node(control, fake_cuda_dir, shim_lib) as node, fed_exporter() as fed:
         targets = {f"127.0.0.1:{node.port}": LIVE_NODE, f"127.0.0.1:{fed.port}": FED_NODE}
         job = prometheus.servicemonitor_job(servicemonitor, targets)
-        with prometheus.running(tmp_path_factory.mktemp("prometheus"), [job]) as prom:
+        rules = [RULES] if RULES.is_file() else []
+        with prometheus.running(tmp_path_factory.mktemp("prometheus"), [job], rules) as prom:
             prom.wait_for_scrapes(2, targets=len(targets))
             yield Monitored(prom, set(prom.api("label/__name__/values")))

@@ -105,6 +105,15 @@ class Prometheus:
             time.sleep(0.5)
         raise PromError(f"not {count} scrapes of {targets} targets in {timeout:.0f}s: {seen}\n{self.log.read_text()}")
 
+    def evaluated_rules(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Every loaded rule (with its group's name under "group") once each was evaluated."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [dict(r, group=g["name"]) for g in self.api("rules")["groups"] for r in g["rules"]]
+            if all(r["health"] != "unknown" for r in found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
@@ -122,14 +131,19 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 @contextmanager
-def running(workdir: Path, jobs: list[dict[str, Any]]) -> Iterator[Prometheus]:
-    """Prometheus scraping ``jobs`` (scrape_configs entries), data and log under ``workdir``."""
+def running(workdir: Path, jobs: list[dict[str, Any]], rule_files: list[Path] = ()) -> Iterator[Prometheus]:
+    """Prometheus scraping ``jobs`` (scrape_configs entries) and evaluating ``rule_files``
+    every second, data and log under ``workdir``."""
     exe = binary()
     if exe is None:
         raise PromError("no prometheus binary on PATH (apt-get install prometheus)")
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.yml"
-    config.write_text(yaml.safe_dump({"global": {"scrape_interval": SCRAPE_INTERVAL}, "scrape_configs": jobs}))
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
+        "rule_files": [str(f) for f in rule_files],
+        "scrape_configs": jobs,
+    }))  # fmt: skip
     port = free_port()
     log = workdir / "prometheus.log"
     with open(log, "wb") as out:
