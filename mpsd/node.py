@@ -4,6 +4,7 @@ process is mpsd/daemon.py; the loop that keeps it alive is mpsd/supervisor.py.""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -164,7 +165,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         from .metrics import Metrics, serve
 
         metrics = Metrics()
-    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config))
+    refused = None if metrics is None else functools.partial(metrics.region_refused, "exec")
+    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config), refused)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
     pump.refresh()  # the GPU indices, before any health check needs them
     supervisor = Supervisor(

@@ -105,15 +105,19 @@ def open_region(path: str | os.PathLike[str]) -> int:
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise RegionError(f"cannot read region {name}: {exc.strerror or exc}") from exc
+        reason = "missing" if isinstance(exc, FileNotFoundError) else "unreadable"
+        raise RegionError(f"cannot read region {name}: {exc.strerror or exc}", reason) from exc
     try:
         st = os.fstat(fd)
         if stat.S_ISLNK(st.st_mode):
-            raise RegionError(f"cannot read region {name}: it is a symbolic link (refused, not followed)")
+            raise RegionError(f"cannot read region {name}: it is a symbolic link (refused, not followed)",
+                              "not_regular")
         if not stat.S_ISREG(st.st_mode):
-            raise RegionError(f"cannot read region {name}: not a regular file (mode {stat.filemode(st.st_mode)})")
+            mode = stat.filemode(st.st_mode)
+            raise RegionError(f"cannot read region {name}: not a regular file (mode {mode})", "not_regular")
         if st.st_size > MAX_REGION_BYTES:
-            raise RegionError(f"cannot read region {name}: {st.st_size} bytes, no region is above {MAX_REGION_BYTES}")
+            raise RegionError(f"cannot read region {name}: {st.st_size} bytes, no region is above {MAX_REGION_BYTES}",
+                              "too_large")
     except BaseException:
         os.close(fd)
         raise
@@ -132,7 +136,7 @@ def private_copy(src: int, name: str) -> int:
         chunks.append(chunk)
         total += len(chunk)
     if total > MAX_REGION_BYTES:
-        raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read")
+        raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read", "too_large")
     copy = os.memfd_create("mpsshim-region-copy", os.MFD_CLOEXEC)
     try:
         view = memoryview(b"".join(chunks))
@@ -171,7 +175,7 @@ def usage(
         try:
             if lib.mpsshim_usage_fd(fd, live, snap, err, ERR_LEN) != 0:
                 reason = ffi.string(err).decode(errors="replace").replace(f"/proc/self/fd/{fd}", str(path))
-                raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}")
+                raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}", "corrupted")
         finally:
             if fd != live:
                 os.close(fd)

@@ -232,6 +232,8 @@ class UsageTracker:
         try:
             return self.usage_reader(path)
         except Exception as exc:  # a damaged or foreign region must not stop the others
+            if self.metrics is not None:
+                self.metrics.region_refused("allocation", exc)  # every round: the alert sees it go on
             # once per directory: a new pod on the same slices has a directory of its own
             self._warn_once(path, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
             return {}

@@ -4,6 +4,7 @@ metrics exporter; and the FAULT count pushed from a supervisor status."""
 
 from __future__ import annotations
 
+import functools
 import os
 import urllib.request
 
@@ -93,6 +94,30 @@ def test_without_a_shim_library_the_regions_are_not_read(tmp_path):
         raise OSError("no libmpsshim.so")
 
     assert ExecRegions(str(tmp_path / "exec"), missing)() == []
+
+
+def test_each_refused_region_is_counted_by_reason_at_every_read(holder_exe, shim_lib, tmp_path):
+    root = tmp_path / "exec"
+    for name in ("bad", "huge", "good"):
+        (root / name).mkdir(parents=True)
+    (root / "bad" / "region").write_bytes(b"not a region" * 1000)
+    with open(root / "huge" / "region", "wb") as f:
+        f.truncate(1 << 40)  # sparse: refused for its size, never read
+    a = hold(holder_exe, root / "good" / "region", f"0:{4 * G}:{G}")
+    metrics = Metrics()
+    read = ExecRegions(str(root), lambda: str(shim_lib), functools.partial(metrics.region_refused, "exec"))
+    try:
+        assert [r.region for r in read()] == ["good"]
+        assert [r.region for r in read()] == ["good"]
+        counted = {
+            reason: metrics.registry.get_sample_value("mpsd_regions_refused_total", {"kind": "exec", "reason": reason})
+            for reason in ("corrupted", "too_large", "not_regular", "unreadable")
+        }
+        assert counted == {"corrupted": 2, "too_large": 2, "not_regular": 0, "unreadable": 0}
+        assert 'mpsd_regions_refused_total{kind="exec",reason="corrupted"} 2.0' in scrape(metrics)
+    finally:
+        a.kill()
+        a.wait()
 
 
 def test_the_pump_exports_region_series_and_drops_them_when_the_region_goes(holder_exe, shim_lib, tmp_path):
