@@ -165,8 +165,7 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         from .metrics import Metrics, serve
 
         metrics = Metrics()
-    refused = None if metrics is None else functools.partial(metrics.region_refused, "exec")
-    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config), refused)
+    regions = exec_regions(config, metrics)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
     pump.refresh()  # the GPU indices, before any health check needs them
     supervisor = Supervisor(
@@ -215,6 +214,13 @@ def _ready(board: HealthBoard, plugin: PluginRun | None = None) -> tuple[bool, s
     if state.daemon_up and state.configured:
         return True, ""
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
+
+
+def exec_regions(config: cfg.Config, metrics) -> ExecRegions:
+    """The reader of the regions of `mpsd exec` under stateDir/exec; each refused region is
+    counted in ``metrics`` (mpsd_regions_refused_total{kind="exec"}) unless it is None."""
+    refused = None if metrics is None else functools.partial(metrics.region_refused, "exec")
+    return ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config), refused)
 
 
 def shim_library_path(config: cfg.Config) -> str:

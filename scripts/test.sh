@@ -3,12 +3,13 @@
 # Works on a bare machine as root; a fresh virtual environment in .venv keeps the system clean.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, and what the
-# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, and the real
-# Prometheus (with promtool) the dashboard and alert tests run.
+# tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, what the
+# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, promtool (for the
+# alerting rules' tests) and the real Prometheus the dashboard and alert expressions run on.
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux prometheus:prometheus; do
+for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux promtool:prometheus \
+    prometheus:prometheus; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -120,6 +120,19 @@ def test_each_refused_region_is_counted_by_reason_at_every_read(holder_exe, shim
         a.wait()
 
 
+def test_mpsd_run_counts_the_refused_regions_under_its_state_dir(shim_lib, tmp_path):
+    from mpsd import config as cfg
+    from mpsd.node import exec_regions
+
+    (tmp_path / "exec" / "bad").mkdir(parents=True)
+    (tmp_path / "exec" / "bad" / "region").write_bytes(b"not a region" * 1000)
+    config = cfg.load(None, {}, {"state-dir": str(tmp_path), "shim-library": str(shim_lib)})
+    metrics = Metrics()
+    assert exec_regions(config, metrics)() == []
+    assert 'mpsd_regions_refused_total{kind="exec",reason="corrupted"} 1.0' in scrape(metrics)
+    assert exec_regions(config, None)() == []  # without metrics: read, nothing counted
+
+
 def test_the_pump_exports_region_series_and_drops_them_when_the_region_goes(holder_exe, shim_lib, tmp_path):
     root = tmp_path / "exec"
     (root / "web").mkdir(parents=True)
