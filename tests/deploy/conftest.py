@@ -85,6 +85,7 @@ def assert_flags_known(argv: list[str]) -> None:
 
 RULES = DEPLOY / "components/alerts/mpsd.rules.yml"  # the plain alert rule file, loaded when there
 LIVE_NODE, FED_NODE = "node-a", "node-b"  # node labels of the live mpsd run and of the fed exporter
+DOWN_NODE = "node-down"  # a target where nothing listens
 
 
 @dataclass
@@ -97,8 +98,9 @@ class Monitored:
 
 @pytest.fixture(scope="module")
 def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
-    """Prometheus scraping a live `mpsd run` (tests/deploy/livenode.py) as node-a and the fed
-    exporter as node-b, through the ServiceMonitor's relabelings, evaluating the alert rules
+    """Prometheus scraping a live `mpsd run` (tests/deploy/livenode.py) as node-a, the fed
+    exporter as node-b and a port where nothing listens as node-down, as the job of the
+    Service the ServiceMonitor selects and through its relabelings, evaluating the alert rules
     of RULES (tests/deploy/test_alert_queries.py fails if the file is missing); skipped only
     where there is no prometheus binary (scripts/test.sh installs it, so CI runs it). Per
     module: nothing keeps running beside the rest of the suite."""
@@ -112,11 +114,16 @@ def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.Temp
         control = ensure_mps_control()
     except FetchError as exc:  # CI has the network: a failed fetch is a failure, not a skip
         pytest.fail(f"could not fetch nvidia-cuda-mps-control: {exc}")
-    servicemonitor = yaml.safe_load((DEPLOY / "components/servicemonitor/servicemonitor.yaml").read_text())
+    monitoring = rendered("deploy/overlays/monitoring")
+    servicemonitor = one(monitoring, "ServiceMonitor", "mpsd")
+    selector = servicemonitor["spec"]["selector"]["matchLabels"].items()
+    # the Service it selects: its name is the job label the Prometheus Operator gives
+    [service] = [o for o in monitoring if o["kind"] == "Service" and selector <= o["metadata"]["labels"].items()]
     with live_node(control, fake_cuda_dir, shim_lib) as node, fed_exporter() as fed:
-        targets = {f"127.0.0.1:{node.port}": LIVE_NODE, f"127.0.0.1:{fed.port}": FED_NODE}
-        job = prometheus.servicemonitor_job(servicemonitor, targets)
+        targets = {f"127.0.0.1:{node.port}": LIVE_NODE, f"127.0.0.1:{fed.port}": FED_NODE,
+                   f"127.0.0.1:{prometheus.free_port()}": DOWN_NODE}  # fmt: skip
+        job = prometheus.servicemonitor_job(servicemonitor, targets, service["metadata"]["name"])
         rules = [RULES] if RULES.is_file() else []
         with prometheus.running(tmp_path_factory.mktemp("prometheus"), [job], rules) as prom:
-            prom.wait_for_scrapes(2, targets=len(targets))
+            prom.wait_for_scrapes(2, up=2, down=1)
             yield Monitored(prom, set(prom.api("label/__name__/values")))

@@ -43,9 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def servicemonitor_job(servicemonitor: Mapping[str, Any], targets: Mapping[str, str]) -> dict[str, Any]:
+def servicemonitor_job(servicemonitor: Mapping[str, Any], targets: Mapping[str, str], job: str) -> dict[str, Any]:
     """A scrape job doing what the ServiceMonitor's first endpoint does to each target
-    (``address -> node name``; the node name stands in for __meta_kubernetes_pod_node_name)."""
+    (``address -> node name``; the node name stands in for __meta_kubernetes_pod_node_name).
+    ``job``: the name of the Service it selects, the job label the Prometheus Operator gives."""
     endpoint = servicemonitor["spec"]["endpoints"][0]
     relabel = []
     for r in endpoint.get("relabelings", []):
@@ -53,7 +54,7 @@ def servicemonitor_job(servicemonitor: Mapping[str, Any], targets: Mapping[str, 
         rule.update({k: r[k] for k in ("regex", "replacement", "separator", "action") if k in r})
         relabel.append(rule)
     return {
-        "job_name": "mpsd",
+        "job_name": job,
         "scrape_interval": SCRAPE_INTERVAL,
         "scrape_timeout": SCRAPE_INTERVAL,
         "metrics_path": endpoint.get("path", "/metrics"),
@@ -93,17 +94,18 @@ class Prometheus:
             raise PromError(f"{expr!r} is a {data['resultType']}, not an instant vector")
         return data["result"]
 
-    def wait_for_scrapes(self, count: int, targets: int, timeout: float = 60.0) -> None:
-        """Until every one of ``targets`` targets was scraped up ``count`` times."""
-        expr = 'count_over_time(up{job="mpsd"}[10m]) and up{job="mpsd"} == 1'
+    def wait_for_scrapes(self, count: int, up: int, down: int = 0, timeout: float = 60.0) -> None:
+        """Until ``up`` targets answered and ``down`` did not, ``count`` scrapes each."""
         deadline = time.monotonic() + timeout
         seen: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
-            seen = self.query(expr)
-            if len(seen) == targets and all(float(s["value"][1]) >= count for s in seen):
+            seen = self.query(f"count_over_time(up[10m]) >= {count}")
+            states = [float(s["value"][1]) for s in self.query("up")]
+            if len(seen) == up + down and (states.count(1.0), states.count(0.0)) == (up, down):
                 return
             time.sleep(0.5)
-        raise PromError(f"not {count} scrapes of {targets} targets in {timeout:.0f}s: {seen}\n{self.log.read_text()}")
+        log = self.log.read_text()
+        raise PromError(f"not {count} scrapes of {up} up, {down} down in {timeout:.0f}s: {seen}\n{log}")
 
     def evaluated_rules(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Every loaded rule (with its group's name under "group") once each was evaluated."""
@@ -112,6 +114,17 @@ class Prometheus:
             found = [dict(r, group=g["name"]) for g in self.api("rules")["groups"] for r in g["rules"]]
             if all(r["health"] != "unknown" for r in found) or time.monotonic() > deadline:
                 return found
+            time.sleep(0.5)
+
+    def active_alerts(self, expected: set[tuple[str, str]], timeout: float = 60.0) -> list[dict[str, Any]]:
+        """The pending and firing alerts, once their (alertname, node) are ``expected`` (or
+        at the timeout: the caller compares)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alerts = self.api("alerts")["alerts"]
+            got = {(a["labels"]["alertname"], a["labels"].get("node", "")) for a in alerts}
+            if got == expected or time.monotonic() > deadline:
+                return alerts
             time.sleep(0.5)
 
 
