@@ -12,7 +12,8 @@ HTTP from mpsd's own server (mpsd.metrics.serve), as Prometheus fetches it.
 1. series: the series count at 0, 1/4, 1/2 and all of the pods and regions, and with one more
    process per region: it must grow by a constant number per pod, per region and per process.
 2. scrape: ``--scrapes`` GETs of /metrics at full size, one after the other, while a thread
-   pushes a fresh node state every 0.5 s (as the inventory and usage rounds do); p50, p99, max.
+   pushes a fresh node state every 0.5 s (as the inventory and usage rounds do); p50, p99, max;
+   and the CPU time of rendering the text alone (what a busy machine's wall time multiplies).
 3. churn: ``--churn`` rounds each replacing every pod and region by new ones (new names, new
    pids): the series count afterwards must equal the count before (no label set outlives its
    pod, region or process).
@@ -116,8 +117,13 @@ def scrape_times(pods: int, regions: int, gpus: int, processes: int, scrapes: in
         thread.join()
     times.sort()
     p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    cpu = time.process_time()
+    for _ in range(20):
+        m.scrape()
+    cpu_ms = (time.process_time() - cpu) / 20 * 1000
     print(f"2. scrape: {series_count(m)} series, {size} bytes; {scrapes} scrapes over HTTP: "
-          f"p50 {statistics.median(times):.1f} ms, p99 {p99:.1f} ms, max {times[-1]:.1f} ms")  # fmt: skip
+          f"p50 {statistics.median(times):.1f} ms, p99 {p99:.1f} ms, max {times[-1]:.1f} ms; "
+          f"CPU time of one scrape's text alone {cpu_ms:.1f} ms")  # fmt: skip
 
 
 def churn(pods: int, regions: int, gpus: int, processes: int, rounds: int) -> bool:
