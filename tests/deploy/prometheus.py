@@ -72,6 +72,7 @@ class Prometheus:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    at: float | None = None  # Unix time queries are evaluated at (None: now)
 
     def api(self, path: str, params: Mapping[str, str] | None = None) -> Any:
         """``data`` of one GET /api/v1/<path>; an error answer raises PromError with its text."""
@@ -87,21 +88,27 @@ class Prometheus:
             raise PromError(f"{body.get('errorType')}: {body.get('error')}")
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """The instant vector of ``expr`` now: [{"metric": labels, "value": [t, v]}, ...]."""
-        data = self.api("query", {"query": expr})
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """The instant vector of ``expr`` at ``at`` (default: ``self.at``, the moment every
+        target had been scraped up; a scrape failing later on a loaded machine marks a target's
+        series stale, and a query of now would miss them): [{"metric": labels, "value": [t, v]}]."""
+        when = self.at if at is None else at
+        data = self.api("query", {"query": expr, **({"time": f"{when:.3f}"} if when else {})})
         if data["resultType"] != "vector":
             raise PromError(f"{expr!r} is a {data['resultType']}, not an instant vector")
         return data["result"]
 
     def wait_for_scrapes(self, count: int, up: int, down: int = 0, timeout: float = 60.0) -> None:
-        """Until ``up`` targets answered and ``down`` did not, ``count`` scrapes each."""
+        """Until ``up`` targets answered and ``down`` did not, ``count`` scrapes each; queries
+        are evaluated at that moment from then on."""
         deadline = time.monotonic() + timeout
         seen: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
-            seen = self.query(f"count_over_time(up[10m]) >= {count}")
-            states = [float(s["value"][1]) for s in self.query("up")]
+            now = time.time()
+            seen = self.query(f"count_over_time(up[10m]) >= {count}", at=now)
+            states = [float(s["value"][1]) for s in self.query("up", at=now)]
             if len(seen) == up + down and (states.count(1.0), states.count(0.0)) == (up, down):
+                self.at = now
                 return
             time.sleep(0.5)
         log = self.log.read_text()
