@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
 for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux \
-        podman:podman runc:runc promtool:prometheus openssl:openssl; do
+        podman:podman runc:runc promtool:prometheus prometheus:prometheus openssl:openssl; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +83,49 @@ def assert_flags_known(argv: list[str]) -> None:
     assert argv[0] == "run"
     for flag in [a.split("=")[0] for a in argv if a.startswith("--")]:
         assert re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", help_text), f"{flag} not in `mpsd run --help`"
+
+
+RULES = DEPLOY / "components/alerts/mpsd.rules.yml"  # the plain alert rule file, loaded when there
+LIVE_NODE, FED_NODE = "node-a", "node-b"  # node labels of the live mpsd run and of the fed exporter
+DOWN_NODE = "node-down"  # a target where nothing listens
+
+
+@dataclass
+class Monitored:
+    """A real Prometheus that scraped the live node and the fed exporter at least twice."""
+
+    prometheus: Any  # tests.deploy.prometheus.Prometheus
+    names: set[str]  # every metric name Prometheus holds
+
+
+@pytest.fixture(scope="module")
+def monitored(fake_cuda_dir: Path, shim_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
+    """Prometheus scraping a live `mpsd run` (tests/deploy/livenode.py) as node-a, the fed
+    exporter as node-b and a port where nothing listens as node-down, as the job of the
+    Service the ServiceMonitor selects and through its relabelings, evaluating the alert rules
+    of RULES (tests/deploy/test_alert_queries.py fails if the file is missing); skipped only
+    where there is no prometheus binary (scripts/test.sh installs it, so CI runs it). Per
+    module: nothing keeps running beside the rest of the suite."""
+    from tests.deploy import prometheus
+    from tests.deploy.livenode import fed_exporter, live_node
+    from tests.mpsbin import FetchError, ensure_mps_control
+
+    if prometheus.binary() is None:
+        pytest.skip("no prometheus binary on PATH: apt-get install prometheus (scripts/test.sh installs it)")
+    try:
+        control = ensure_mps_control()
+    except FetchError as exc:  # CI has the network: a failed fetch is a failure, not a skip
+        pytest.fail(f"could not fetch nvidia-cuda-mps-control: {exc}")
+    monitoring = rendered("deploy/overlays/monitoring")
+    servicemonitor = one(monitoring, "ServiceMonitor", "mpsd")
+    selector = servicemonitor["spec"]["selector"]["matchLabels"].items()
+    # the Service it selects: its name is the job label the Prometheus Operator gives
+    [service] = [o for o in monitoring if o["kind"] == "Service" and selector <= o["metadata"]["labels"].items()]
+    with live_node(control, fake_cuda_dir, shim_lib) as node, fed_exporter() as fed:
+        targets = {f"127.0.0.1:{node.port}": LIVE_NODE, f"127.0.0.1:{fed.port}": FED_NODE,
+                   f"127.0.0.1:{prometheus.free_port()}": DOWN_NODE}  # fmt: skip
+        job = prometheus.servicemonitor_job(servicemonitor, targets, service["metadata"]["name"])
+        rules = [RULES] if RULES.is_file() else []
+        with prometheus.running(tmp_path_factory.mktemp("prometheus"), [job], rules) as prom:
+            prom.wait_for_scrapes(2, up=2, down=1)
+            yield Monitored(prom, set(prom.api("label/__name__/values")))
