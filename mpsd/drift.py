@@ -3,7 +3,8 @@
 health check reads them back and puts back what the config says.
 
 What is compared: the default active thread percentage, the default pinned memory limit of
-every device the config names or mpsd manages (none expected where the config sets none),
+every device the config names or mpsd manages (by the daemon's ordinals, 0..n-1; none
+expected where the config sets none),
 and the default client priority (the driver's 0 where the config sets none). Limits keyed by
 UUID cannot be read back on 535 and are not compared.
 """
@@ -39,7 +40,12 @@ def expected(config: "Config", devices: set[int]) -> Defaults:
 
 
 def watched(config: "Config", devices: set[int]) -> set[int]:
-    return {d for d in config.pinned_mem_limit if isinstance(d, int)} | set(devices)
+    """Device ordinals whose default limit is compared: the config's, and ``devices`` (the
+    daemon's ordinals) unless the config keys a limit by UUID, which 535 does not read back
+    under an ordinal: an ordinal's limit could then be that one."""
+    configured = {d for d in config.pinned_mem_limit if isinstance(d, int)}
+    by_uuid = any(isinstance(d, str) for d in config.pinned_mem_limit)
+    return configured if by_uuid else configured | set(devices)
 
 
 def read(control: Control, config: "Config", devices: set[int]) -> Defaults:

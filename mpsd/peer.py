@@ -110,6 +110,15 @@ def describe(pid: int, proc: str = "/proc") -> str:
     return " ".join(filter(None, [f"pid {pid} ({comm!r})", owner]))
 
 
+def describe_all(pids: list[int], proc: str = "/proc") -> str:
+    return ", ".join(describe(pid, proc) for pid in pids) or "a front-end mpsd cannot name"
+
+
+def held_reason(age: float, bound: float, who: str) -> str:
+    """/readyz's reason while a held control session keeps health checks inconclusive."""
+    return f"no health verdict for {age:.0f}s (verdictTimeout {bound:g}s): control session held by {who}"
+
+
 def listener_pid(path: str, timeout: float = PROBE_TIMEOUT) -> int | None:
     """The PID that listens on the unix socket ``path`` (0 when it is outside mpsd's PID
     namespace); None when nothing listens or it does not take a connection in time."""

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -56,7 +57,7 @@ class Supervisor:
         gpu_indices: Callable[[], list[int]] = list,
         on_status: Callable[[Status], None] | None = None,
     ) -> None:
-        self.config = config
+        self.config = c = config
         self.board = board
         self._reload = reload
         self._gpu_indices = gpu_indices
@@ -71,7 +72,7 @@ class Supervisor:
         self._applied = config  # the config whose defaults the running daemon has
         self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
         self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
-        self._faults = FaultHandler(config.health_timeout, is_client=self._is_client)
+        self._faults = FaultHandler(c.health_timeout, is_client=partial(peer.mps_client_problem, pipe_dir=c.pipe_dir))
         self._verdict_at = time.monotonic()  # the last conclusive health check (or start)
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
@@ -244,7 +245,7 @@ class Supervisor:
         if unreachable:  # a restart makes the daemon create it again
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {unreachable}")
             return
-        devices = set(self._gpu_indices())
+        devices = set(range(len(self._gpu_indices())))  # the daemon's ordinals (CUDA_VISIBLE_DEVICES renumbers)
         try:
             self._refuse_impostor(daemon)
             defaults = drift.read(control, self._applied, devices)
@@ -252,10 +253,8 @@ class Supervisor:
             states = self._faults.server_states(control, servers)
             self._refuse_impostor(daemon, ("control_privileged",))  # what mpsd read came from its daemon
         except ControlTimeout as exc:
-            holders = peer.session_holders(daemon.pid, self.config.pipe_dir)
-            if holders:  # the daemon waits on another front-end: held, not hung
-                self._inconclusive(daemon, exc, holders)
-                return
+            if holders := peer.session_holders(daemon.pid, self.config.pipe_dir):  # it waits on them: not hung
+                return self._inconclusive(daemon, exc, holders)
             silent = self._silent_checks[1] + 1 if self._silent_checks[0] == daemon.pid else 1
             self._silent_checks = (daemon.pid, silent)
             if silent >= HUNG_AFTER:
@@ -267,8 +266,7 @@ class Supervisor:
             self._next_at = time.monotonic()
             return
         except ControlBusy as exc:  # it refused us, so it runs: no reason to kill it and its clients
-            self._inconclusive(daemon, exc, peer.session_holders(daemon.pid, self.config.pipe_dir))
-            return
+            return self._inconclusive(daemon, exc, peer.session_holders(daemon.pid, self.config.pipe_dir))
         except ControlError as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {exc}")
             return
@@ -307,27 +305,19 @@ class Supervisor:
             self._publish(impostors=self.status().impostors + 1)
             raise ControlImpostor(f"control socket impostor: {found}; the daemon is restarted to take its sockets back")
 
-    def _is_client(self, pid: int) -> str:
-        return peer.mps_client_problem(pid, self.config.pipe_dir)
-
     def _inconclusive(self, daemon: DaemonProcess, exc: ControlError, holders: list[int]) -> None:
-        """No verdict: another front-end holds the daemon. It runs, so it is not killed (that
-        would hand whoever holds it a lever on every client); past verdictTimeout /readyz says so."""
-        self._silent_checks = (daemon.pid, 0)
-        age = time.monotonic() - self._verdict_at
-        who = ", ".join(peer.describe(pid) for pid in holders) or "a front-end mpsd cannot name"
+        """No verdict: another front-end holds the daemon. It is not killed (that would hand the
+        holder a lever on every client); past verdictTimeout /readyz says so (docs/operations.md)."""
+        self._silent_checks, age = (daemon.pid, 0), time.monotonic() - self._verdict_at
+        who = peer.describe_all(holders)
         log.warning("health check of daemon pid=%d inconclusive: %s; held by %s", daemon.pid, exc, who)
         if age >= self.config.verdict_timeout:
-            self.board.update(
-                unverified=f"no health verdict for {age:.0f}s (verdictTimeout {self.config.verdict_timeout:g}s): "
-                f"the daemon's control session is held by {who}"
-            )
+            self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
         self._publish(last_error=f"{exc}; held by {who}", verdict_age=age)
         self._next_at = time.monotonic() + self.config.health_interval
 
     def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str | None:
-        """Put back defaults someone else changed through the control socket: "" when they are
-        as configured (now), None if the daemon was retired."""
+        """Put back defaults changed through ``control``: "" when done (or none), None if retired."""
         changed = drift.differences(drift.expected(self._applied, devices), got)
         if not changed:
             return ""

@@ -142,3 +142,13 @@ WANT = drift.Defaults(60.0, {0: 2 << 30, 1: None}, 0)
 )
 def test_drift_differences(got, expected):
     assert drift.differences(WANT, got) == expected
+
+
+def test_drift_watches_managed_ordinals_unless_a_limit_is_keyed_by_uuid():
+    from mpsd import config as cfg
+
+    plain = cfg.load(None, {}, {"pinned-mem-limit": "0=2G"})
+    assert drift.watched(plain, {0, 1}) == {0, 1}
+    by_uuid = cfg.load(None, {}, {"pinned-mem-limit": "0=2G,GPU-8f6c1a2b-0000-1111-2222-333344445555=1G"})
+    assert drift.watched(by_uuid, {0, 1}) == {0}
+    assert drift.expected(plain, {1}).pinned_mem_limit == {0: 2 << 30, 1: None}
