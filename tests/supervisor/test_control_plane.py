@@ -35,16 +35,6 @@ def start_as_nobody(argv: list[str], **kwargs) -> subprocess.Popen:
     return subprocess.Popen(argv, user=NOBODY, group=NOBODY, extra_groups=[], **kwargs)
 
 
-@pytest.fixture
-def procs():
-    started: list[subprocess.Popen] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 # ---------------------------------------------------------------- 1. an impostor daemon
 
 

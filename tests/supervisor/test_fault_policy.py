@@ -73,13 +73,8 @@ def fault(monkeypatch, r, clients, sent, state="FAULT"):
 
 
 @pytest.fixture
-def clients():
-    started: list[subprocess.Popen] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+def clients(procs):
+    return procs
 
 
 def test_terminate_ends_every_client_of_the_faulted_server_then_kills_the_rest(
