@@ -8,7 +8,7 @@ message once the front-end sent a length of 0.
 
 This one claims server SERVER in FAULT whose only client is VICTIM, any process.
 
-    python -m tests.impostor PIPE_DIR VICTIM_PID
+    python -m tests.impostor PIPE_DIR VICTIM_PID [SOCKET_NAME...]   (default: both)
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _accept(sock: socket.socket, victim: int) -> None:
 
 def main(argv: list[str]) -> None:
     pipe_dir, victim = argv[1], int(argv[2])
-    for name in ("control_privileged", "control"):
+    for name in argv[3:] or ("control_privileged", "control"):
         listen(os.path.join(pipe_dir, name), victim)
     print("listening", flush=True)
     threading.Event().wait()

@@ -5,10 +5,13 @@ session held open. The real 535 daemon, real processes of other UIDs, real socke
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,11 +41,10 @@ def start_as_nobody(argv: list[str], **kwargs) -> subprocess.Popen:
 # ---------------------------------------------------------------- 1. an impostor daemon
 
 
-def start_impostor(pipe_dir: str, victim: int) -> subprocess.Popen:
+def start_impostor(pipe_dir: str, victim: int, names: tuple[str, ...] = ()) -> subprocess.Popen:
     """A root process (a root pod with the pipe dir) answering in place of the daemon."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.impostor", pipe_dir, str(victim)], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
+    argv = [sys.executable, "-m", "tests.impostor", pipe_dir, str(victim), *names]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "listening\n"
     return proc
 
@@ -74,6 +76,23 @@ def test_an_impostor_daemon_cannot_make_mpsd_kill_an_unrelated_process(make_conf
     assert as_nobody(config.control_binary, config.pipe_dir, "get_server_list").stdout.strip() != "4242"
     assert "mpsd_control_impostors_total 1.0" in metrics.scrape().decode()
     pump.close()
+
+
+def test_an_impostor_on_the_control_socket_alone_is_noticed_and_the_daemon_restarted(
+    make_config, run_supervisor, procs
+):
+    # mpsd's own (root) front-end goes through control_privileged and would get true answers;
+    # every pod's front-end and CUDA client goes through control, to the impostor.
+    config = make_config()
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured, what="configured")
+    pid = r.sup.status().pid
+    procs.append(start_impostor(config.pipe_dir, os.getpid(), ("control",)))
+    assert as_nobody(config.control_binary, config.pipe_dir, "get_server_list").stdout.strip() == "4242"
+    wait_until(lambda: r.sup.status().impostors > 0, what="the impostor noticed")
+    assert "/control is served by" in r.sup.status().last_error
+    r.wait_for(lambda s: s.configured and r.sup.status().pid != pid, what="the daemon restarted")
+    assert as_nobody(config.control_binary, config.pipe_dir, "get_server_list").stdout.strip() != "4242"
 
 
 # ---------------------------------------------------------------- 2. defaults rewritten by any UID
@@ -179,18 +198,64 @@ def test_a_held_session_turns_readyz_503_naming_the_holder_and_never_kills_the_d
         assert "no health verdict" in reason and f"pid {holder.proc.pid}" in reason
         time.sleep(3 * config.health_timeout)  # more checks while it is held: still not killed
         assert r.sup.status().pid == pid and r.sup.status().restarts == 0
-        age = metric_value(metrics, "mpsd_health_verdict_age_seconds")
+        age = metric(metrics.scrape().decode(), "mpsd_health_verdict_age_seconds")
         assert age >= 2
     finally:
         holder.release()
     wait_until(lambda: _ready(r.board)[0], what="ready again once released")
     assert r.sup.status().pid == pid
-    assert metric_value(metrics, "mpsd_health_verdict_age_seconds") < age
+    assert metric(metrics.scrape().decode(), "mpsd_health_verdict_age_seconds") < age
     pump.close()
 
 
-def metric_value(metrics: Metrics, name: str) -> float:
-    for line in metrics.scrape().decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
+# ---------------------------------------------------------------- the same through a real `mpsd run`
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def test_mpsd_run_reports_a_held_session_and_restored_defaults_over_http(mps_control, make_config):
+    config = make_config()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [
+        f"--control-binary={mps_control}",
+        f"--pipe-dir={config.pipe_dir}",
+        f"--log-dir={config.log_dir}",
+        f"--state-dir={config.state_dir}",
+        f"--metrics-address=127.0.0.1:{port}",
+        "--health-interval=0.3s",
+        "--health-timeout=1s",
+        "--verdict-timeout=2s",
+        "--nvml-library=/nonexistent/libnvidia-ml.so.1",
+    ]
+    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", *args], cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: proc.poll() is not None or http_get(port, "/readyz")[0] == 200, what="ready")
+        assert as_nobody(config.control_binary, config.pipe_dir, TAMPER[0]).returncode == 0
+        wait_until(lambda: "mpsd_defaults_restored_total 1.0" in http_get(port, "/metrics")[1], what="restored")
+        holder = RawHolder(config.control_binary, config.pipe_dir)
+        try:
+            wait_until(lambda: http_get(port, "/readyz")[0] == 503, what="not ready while held")
+            code, body = http_get(port, "/readyz")
+            assert "no health verdict" in body and f"pid {holder.proc.pid}" in body
+            assert metric(http_get(port, "/metrics")[1], "mpsd_health_verdict_age_seconds") >= 2
+        finally:
+            holder.release()
+        wait_until(lambda: http_get(port, "/readyz")[0] == 200, what="ready again")
+        assert metric(http_get(port, "/metrics")[1], "mpsd_daemon_restarts_total") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def metric(text: str, name: str) -> float:
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
