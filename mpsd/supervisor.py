@@ -311,9 +311,9 @@ class Supervisor:
         self._silent_checks, age = (daemon.pid, 0), time.monotonic() - self._verdict_at
         who = peer.describe_all(holders)
         log.warning("health check of daemon pid=%d inconclusive: %s; held by %s", daemon.pid, exc, who)
+        self._publish(last_error=f"{exc}; held by {who}", verdict_age=age)  # the metric before /readyz
         if age >= self.config.verdict_timeout:
             self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
-        self._publish(last_error=f"{exc}; held by {who}", verdict_age=age)
         self._next_at = time.monotonic() + self.config.health_interval
 
     def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str | None:
