@@ -10,8 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +21,7 @@ from mpsd.metrics import Metrics
 from mpsd.node import InventoryPump, _observer, _ready
 from mpsd.status import collect_status, render_status
 from tests.supervisor.conftest import FrontEndHolder
-from tests.supervisor.test_client_view import NOBODY, as_nobody
+from tests.supervisor.test_client_view import NOBODY, as_nobody, http_get
 from tests.supervisor.test_control_real import NoGpus
 from tests.supervisor.test_supervisor import reads_back, wait_until
 
@@ -210,16 +208,6 @@ def test_a_held_session_turns_readyz_503_naming_the_holder_and_never_kills_the_d
 
 
 # ---------------------------------------------------------------- the same through a real `mpsd run`
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def test_mpsd_run_reports_a_held_session_and_restored_defaults_over_http(mps_control, make_config):
