@@ -8,6 +8,7 @@
 
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
 MS_EXPORT int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
+MS_EXPORT size_t mpsshim_region_size(void);
 
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen)
 {
@@ -23,4 +24,11 @@ MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_
 MS_EXPORT int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen)
 {
     return ms_region_snapshot_fd(fd, lock_fd, out, err, errlen);
+}
+
+/* The size of every region file of this layout: a reader checks a file's size with it before
+ * it copies a byte (shim.usage), rather than copying a pod's oversized file to refuse it. */
+MS_EXPORT size_t mpsshim_region_size(void)
+{
+    return sizeof(ms_hdr);
 }

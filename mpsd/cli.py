@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,8 @@ from typing import Callable, Mapping, Sequence
 
 from . import config as cfg
 from .clientenv import client_env
-from .errors import ConfigError, MpsdError, one_line
+from .errors import ConfigError, MpsdError, one_line, printable
+from .trees import remove_tree
 from .units import parse_limits, parse_percentage, parse_size
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,9 @@ def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if args.json:
         print(json.dumps(config.to_dict(), indent=2))
     else:
-        print(f"{args.file}: ok")
+        print(printable(f"{args.file}: ok"))
         for s in cfg.SETTINGS:
-            print(f"  {s.key} = {cfg.format_value(config, s.key)}")
+            print(printable(f"  {s.key} = {cfg.format_value(config, s.key)}"))
     return 0
 
 
@@ -189,6 +189,13 @@ def _region_dir(config: cfg.Config) -> str:
         return tempfile.mkdtemp(prefix="region-", dir=base)
     except OSError:
         return tempfile.mkdtemp(prefix="mpsd-region-")
+
+
+def _remove_region_dir(path: str) -> None:
+    """The command's region directory, whatever it left there (its exit code is what counts)."""
+    result = remove_tree(path)
+    if not result.complete:
+        log.warning("region directory not removed path=%s error=%s", path, result.error)
 
 
 def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) -> int:
@@ -233,7 +240,7 @@ def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) 
         for s, handler in old.items():
             signal.signal(s, handler)
         if made_region:
-            shutil.rmtree(made_region, ignore_errors=True)
+            _remove_region_dir(made_region)
     return code if code >= 0 else 128 - code
 
 

@@ -12,16 +12,17 @@
   (:func:`hold_pipe_dir`): a second ``mpsd run`` on the same directory stops at once.
 * Files a crashed daemon left in the pipe dir (``control``, ``control_lock``, ...) are
   removed, unless a live daemon still holds ``control_lock``: then it is an error, because
-  two daemons on one pipe dir would fight over the clients.
+  two daemons on one pipe dir would fight over the clients. A read lock there is not a
+  daemon's (anyone can take one on the 0666 file): it is logged and the file replaced.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -135,25 +136,42 @@ def make_traversable(path: Path) -> None:
 
 
 def daemon_holds_lock(pipe: Path) -> bool:
-    """True if a live process holds the POSIX lock the daemon keeps on ``control_lock``."""
+    """True if a live process holds the POSIX write lock the daemon keeps on ``control_lock``.
+
+    The file is mode 0666 (the daemon's choice): any process that can reach the pipe dir, a
+    pod through its read-only mount included, can take a *read* lock on it while no daemon
+    runs, and the real daemon then refuses to start ("An instance of this daemon is already
+    running"). A read lock is never a daemon's: it is logged with its holder and the file is
+    left to :func:`remove_stale`, so the new daemon locks a new file."""
     lock = pipe / "control_lock"
     try:
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     except OSError as exc:
         raise SetupError(f"cannot open {lock}: {exc.strerror}") from exc
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        kind, pid = lock_holder(fd)
     except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return True
         raise SetupError(f"cannot test the lock on {lock}: {exc.strerror}") from exc
-    else:
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return False
     finally:
         os.close(fd)
+    if kind == fcntl.F_RDLCK:
+        log.warning("control_lock read-locked by another process, not a daemon: replacing it path=%s pid=%d",
+                    lock, pid)
+        return False
+    return kind == fcntl.F_WRLCK
+
+
+_FLOCK = "hhqqi4x"  # struct flock (x86-64, arm64): l_type, l_whence, l_start, l_len, l_pid
+
+
+def lock_holder(fd: int) -> tuple[int, int]:
+    """(F_UNLCK, 0), or the type (F_RDLCK/F_WRLCK) and PID of a POSIX lock on the whole file
+    held by another process (F_GETLK)."""
+    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    return kind, pid
 
 
 def remove_stale(pipe: Path) -> list[str]:

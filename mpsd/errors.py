@@ -47,5 +47,36 @@ class PluginError(MpsdError):
 
 def one_line(text: object) -> str:
     """``text`` with every run of whitespace, line breaks included (those str.splitlines()
-    knows: \\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, U+2028, U+2029), made one space."""
-    return " ".join(str(text).split())
+    knows: \\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, U+2028, U+2029), made one space, and
+    what is left that a terminal would act on escaped (:func:`printable`)."""
+    return printable(" ".join(str(text).split()))
+
+
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def printable(text: object) -> str:
+    """``text`` safe to print on a terminal: every character that is not printable (C0
+    controls, DEL, C1 controls such as CSI, and so ESC and every escape sequence it would
+    start; format characters such as bidi overrides; line and paragraph separators; lone
+    surrogates) written as its Python escape (``\\x1b``, ``\\u202e``); the rest unchanged.
+    Everything mpsd prints that others chose (a client's argv, file names) goes through it."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _NAMED.get(ch) or _escape(ord(ch)) for ch in text)
+
+
+def _escape(code: int) -> str:
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+class KubeAPIError(MpsdError):
+    """The Kubernetes API server could not be configured, reached or answered with an error.
+    ``status`` is the HTTP status code of an answer (404, 409 ...), None when there was none."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -85,11 +85,16 @@ def rows_for(name: str, devices: Sequence) -> list[RegionUsage]:
 
 class ExecRegions:
     """Callable: the rows of every region under ``root`` now. ``library`` gives the path of
-    libmpsshim.so (called once, on first use; an error disables the reading, logged once)."""
+    libmpsshim.so (called once, on first use; an error disables the reading, logged once).
+    ``refused`` is called with the error of each region that cannot be read (the metrics
+    count the refusals: Metrics.region_refused)."""
 
-    def __init__(self, root: str, library: Callable[[], str]) -> None:
+    def __init__(
+        self, root: str, library: Callable[[], str], refused: Callable[[Exception], object] | None = None
+    ) -> None:
         self.root = root
         self._library = library
+        self._refused = refused
         self._path: str | None = None
         self._broken = False
         self._warned: set[str] = set()
@@ -114,6 +119,8 @@ class ExecRegions:
                 # kill mpsd with SIGBUS
                 rows.extend(rows_for(name, shim.usage(path, library=self._path, copy=True)))
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign region must not stop the others
+                if self._refused is not None:
+                    self._refused(exc)
                 if path not in self._warned:
                     self._warned.add(path)
                     log.warning("cannot read region path=%s error=%s", path, exc)

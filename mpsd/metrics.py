@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 MAX_ERROR_LABEL = 200  # characters of the last error kept as a label value
 ALLOCATION_LABELS = ("allocation", "pod", "namespace", "container", "gpu")
+REGION_KINDS = ("allocation", "exec")  # a device-plugin allocation's region, an mpsd exec region
+# why a region was refused (shim.RegionError.reason); "missing" (gone meanwhile) is no refusal
+REFUSAL_REASONS = ("corrupted", "not_regular", "too_large", "unreadable")
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,15 @@ class Metrics:
             ["region", "device", "pid"],
             registry=r,
         )
+        self.regions_refused = Counter(
+            "mpsd_regions_refused",
+            "Reads of a region mpsd refused (every round that refuses it counts), by region kind and why",
+            ["kind", "reason"],
+            registry=r,
+        )
+        for kind in REGION_KINDS:  # exported from the start, at 0: increase() sees the first refusal
+            for reason in REFUSAL_REASONS:
+                self.regions_refused.labels(kind, reason)
 
     # -- supervisor --------------------------------------------------------------------
 
@@ -300,6 +312,18 @@ class Metrics:
             self._replace(self.region_cap, cap)
             self._replace(self.region_used, used)
             self._replace(self.region_process, per_process)
+
+    def region_refused(self, kind: str, error: BaseException) -> bool:
+        """Count one refused read of a region of ``kind`` (REGION_KINDS) if ``error`` is a
+        refusal: a shim.RegionError whose reason is one of REFUSAL_REASONS. A region that was
+        gone by the time it was opened, or any other error, is not counted. True if counted."""
+        if kind not in REGION_KINDS:
+            raise ValueError(f"region kind {kind!r}: expected one of {', '.join(REGION_KINDS)}")
+        reason = getattr(error, "reason", None)
+        if reason not in REFUSAL_REASONS:
+            return False
+        self.regions_refused.labels(kind, reason).inc()
+        return True
 
     def _replace(self, gauge: Gauge, values: Mapping[tuple[str, ...], float]) -> None:
         """Set every label set in ``values`` and remove the ones set last time but not now

@@ -4,6 +4,7 @@ process is mpsd/daemon.py; the loop that keeps it alive is mpsd/supervisor.py.""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -100,9 +101,15 @@ class InventoryPump:
                 self._pending = False
             self.refresh()
 
-    def refresh(self) -> None:
-        if self._metrics is not None and self._regions is not None:
+    def refresh(self, regions: bool = True) -> None:
+        """NVML's view, then (``regions``) the regions of mpsd exec. The regions are files
+        others write and can take long to read: never on the start path (``run`` refreshes
+        without them), and after NVML so that a slow read never delays the GPU series."""
+        self._refresh_gpus()
+        if regions and self._metrics is not None and self._regions is not None:
             self._metrics.set_regions(self._regions())
+
+    def _refresh_gpus(self) -> None:
         if self._inventory is None:
             return
         try:
@@ -165,9 +172,9 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         from .metrics import Metrics, serve
 
         metrics = Metrics()
-    regions = ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config))
+    regions = exec_regions(config, metrics)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
-    pump.refresh()  # the GPU indices, before any health check needs them
+    pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
     supervisor = Supervisor(
         config,
         board,
@@ -214,6 +221,13 @@ def _ready(board: HealthBoard, plugin: PluginRun | None = None) -> tuple[bool, s
     if state.daemon_up and state.configured:
         return (False, state.unverified) if state.unverified else (True, "")
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
+
+
+def exec_regions(config: cfg.Config, metrics) -> ExecRegions:
+    """The reader of the regions of `mpsd exec` under stateDir/exec; each refused region is
+    counted in ``metrics`` (mpsd_regions_refused_total{kind="exec"}) unless it is None."""
+    refused = None if metrics is None else functools.partial(metrics.region_refused, "exec")
+    return ExecRegions(os.path.join(config.state_dir, "exec"), lambda: shim_library_path(config), refused)
 
 
 def shim_library_path(config: cfg.Config) -> str:

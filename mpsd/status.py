@@ -12,7 +12,7 @@ from typing import Any
 from . import config as cfg
 from . import drift
 from .control import Control, PsEntry
-from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError
+from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError, printable
 from .node import LOG_FORMAT, open_inventory
 from .units import format_size
 
@@ -99,12 +99,17 @@ def render_status(data: dict[str, Any]) -> str:
     lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
     if not data["clients"]:
         lines.append("clients: none")
-        return "\n".join(lines)
+        return _table(lines)
     lines.append(f"{'PID':>8} {'SERVER':>8} {'DEVICE':<24} {'MEMORY':>10}  COMMAND")
     for c in data["clients"]:
         mem = "-" if c.get("usedMemory") is None else f"{c['usedMemory'] >> 20}M"
         lines.append(f"{c['pid']:>8} {c['server']:>8} {c['device']:<24} {mem:>10}  {c['command']}")
-    return "\n".join(lines)
+    return _table(lines)
+
+
+def _table(lines: list[str]) -> str:
+    """The lines printed: a client's argv (chosen by the pod) or a name may hold anything."""
+    return "\n".join(printable(line) for line in lines)
 
 
 def status_main(config: cfg.Config, as_json: bool = False) -> int:

@@ -3,13 +3,18 @@
 # Works on a bare machine as root; a fresh virtual environment in .venv keeps the system clean.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, and what the
-# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with.
+# tool -> Debian package: the C toolchain, dpkg-deb for the real MPS binary, what the
+# full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, the real
+# containers of tests/container.py (podman, runc, a static busybox for the image),
+# Prometheus (promtool for the alerting rules' tests, the server for the live dashboard test)
+# and openssl for the stand-in API server's TLS certificate (tests/dra).
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux; do
+for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux \
+        podman:podman runc:runc promtool:prometheus openssl:openssl; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -9,6 +9,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from mpsd.errors import one_line, printable
+
 from ._errors import ShimError
 from ._library import library_path
 from ._usage import DeviceUsage, usage
@@ -48,7 +50,7 @@ def format_table(devices: Sequence[DeviceUsage]) -> str:
         if i:
             for p in devices[i - 1].processes:
                 lines.append(f"    pid {p.pid:<8} {'alive' if p.alive else 'dead '}  {human(p.used)}")
-    return "\n".join(lines) + "\n"
+    return "".join(printable(line) + "\n" for line in lines)
 
 
 def to_json(region: str, devices: Sequence[DeviceUsage]) -> str:
@@ -74,6 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices = usage(args.region)
             sys.stdout.write(to_json(args.region, devices) if args.json else format_table(devices))
     except ShimError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(exc)}\n")
         return 1
     return 0

@@ -14,4 +14,11 @@ class ShimNotFound(ShimError, SetupError):
 
 
 class RegionError(ShimError):
-    """An accounting region could not be read (missing, unreadable, corrupted)."""
+    """An accounting region could not be read. ``reason``, one word: ``missing`` (no such
+    file), ``unreadable`` (it cannot be opened), ``not_regular`` (a symlink, FIFO, device or
+    directory, refused unopened), ``too_large`` (bigger than any region) or ``corrupted`` (the
+    library refused its contents: layout, size or version)."""
+
+    def __init__(self, message: str, reason: str = "corrupted") -> None:
+        super().__init__(message)
+        self.reason = reason

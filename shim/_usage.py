@@ -1,7 +1,8 @@
 """Reading a container's accounting region through libmpsshim.so (cffi, ABI mode).
 
 The library exports ``int mpsshim_usage(const char *path, ms_snapshot *out, char *err,
-size_t errlen)`` and ``mpsshim_usage_fd(int fd, ...)`` (used here, on a file checked first);
+size_t errlen)`` and ``mpsshim_usage_fd(int fd, ...)`` (used here, on a file checked first, its
+size against ``mpsshim_region_size()``);
 ``ms_snapshot`` is declared in csrc/region.h and mirrored in CDEF below
 (tests/e2e/test_shim_package.py compares sizes and offsets with a C compiler's).
 """
@@ -43,6 +44,7 @@ typedef struct ms_snapshot {{
 
 int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
 int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
+size_t mpsshim_region_size(void);
 """
 
 
@@ -88,6 +90,7 @@ def _load(path: str) -> tuple[Any, Any]:
     try:
         lib = ffi.dlopen(path)
         lib.mpsshim_usage_fd  # noqa: B018 - resolve now, fail here if the export is missing
+        lib.mpsshim_region_size  # noqa: B018
     except (OSError, AttributeError) as exc:
         raise ShimError(f"cannot use {path} to read regions: {exc}") from exc
     return ffi, lib
@@ -105,19 +108,33 @@ def open_region(path: str | os.PathLike[str]) -> int:
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise RegionError(f"cannot read region {name}: {exc.strerror or exc}") from exc
+        reason = "missing" if isinstance(exc, FileNotFoundError) else "unreadable"
+        raise RegionError(f"cannot read region {name}: {exc.strerror or exc}", reason) from exc
     try:
         st = os.fstat(fd)
         if stat.S_ISLNK(st.st_mode):
-            raise RegionError(f"cannot read region {name}: it is a symbolic link (refused, not followed)")
+            raise RegionError(f"cannot read region {name}: it is a symbolic link (refused, not followed)",
+                              "not_regular")
         if not stat.S_ISREG(st.st_mode):
-            raise RegionError(f"cannot read region {name}: not a regular file (mode {stat.filemode(st.st_mode)})")
+            mode = stat.filemode(st.st_mode)
+            raise RegionError(f"cannot read region {name}: not a regular file (mode {mode})", "not_regular")
         if st.st_size > MAX_REGION_BYTES:
-            raise RegionError(f"cannot read region {name}: {st.st_size} bytes, no region is above {MAX_REGION_BYTES}")
+            raise RegionError(f"cannot read region {name}: {st.st_size} bytes, no region is above {MAX_REGION_BYTES}",
+                              "too_large")
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def check_size(fd: int, path: str, size: int) -> None:
+    """RegionError unless the open file ``fd`` is exactly ``size`` bytes (the library's
+    layout): checked on the descriptor before a byte is copied, so that a file of any other
+    size costs one fstat, not a copy of up to MAX_REGION_BYTES."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise RegionError(f"cannot read region {path!r}: region {path} is {actual} bytes, expected {size} "
+                          "(truncated, or not this shim's layout)", "corrupted")
 
 
 def private_copy(src: int, name: str) -> int:
@@ -132,7 +149,7 @@ def private_copy(src: int, name: str) -> int:
         chunks.append(chunk)
         total += len(chunk)
     if total > MAX_REGION_BYTES:
-        raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read")
+        raise RegionError(f"cannot read region {name}: grew past {MAX_REGION_BYTES} bytes while read", "too_large")
     copy = os.memfd_create("mpsshim-region-copy", os.MFD_CLOEXEC)
     try:
         view = memoryview(b"".join(chunks))
@@ -167,11 +184,12 @@ def usage(
     finally:
         os.close(held)
     try:
+        check_size(live, str(path), int(lib.mpsshim_region_size()))
         fd = private_copy(live, repr(str(path))) if copy else live
         try:
             if lib.mpsshim_usage_fd(fd, live, snap, err, ERR_LEN) != 0:
                 reason = ffi.string(err).decode(errors="replace").replace(f"/proc/self/fd/{fd}", str(path))
-                raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}")
+                raise RegionError(f"cannot read region {str(path)!r}: {reason or 'unknown error'}", "corrupted")
         finally:
             if fd != live:
                 os.close(fd)

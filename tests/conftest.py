@@ -7,6 +7,7 @@
   current sources (not a stale copy in shim/).
 - `run_client(argv, env, timeout)`: run a client process with exactly the given extra
   environment, returning the CompletedProcess (text mode).
+- `podman`: real containers (podman + runc, a busybox image), see tests/container.py.
 - `shim_env(...)`: the environment a client under the shim needs (preload, fake driver,
   a private region file, limits).
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
+from tests.container import Podman, podman_unavailable
 from tests.fakes import build_fakes
 from tests.regionholder import build_holder
 
@@ -97,3 +100,19 @@ def shim_env(fake_cuda_dir: Path, shim_lib: Path, tmp_path: Path) -> Callable[..
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def podman() -> Iterator[Podman]:
+    """A private podman state for real containers (tests/container.py); skips only where podman
+    cannot run, with the reason (a failure instead under MPSD_REQUIRE_CONTAINERS=1)."""
+    box = Podman(Path(tempfile.mkdtemp(prefix="mpsd-podman-")))
+    try:
+        reason = podman_unavailable(box.state_dir)
+        if reason:
+            if os.environ.get("MPSD_REQUIRE_CONTAINERS") == "1":
+                pytest.fail(f"MPSD_REQUIRE_CONTAINERS=1 but {reason}", pytrace=False)
+            pytest.skip(reason)
+        yield box
+    finally:
+        box.cleanup()

@@ -42,7 +42,7 @@ from ..health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
-from .servicer import UNARY_WORKERS, Servicer
+from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
 from .slicing import GpuLike, advertised_ids
 from .state import StateStore, install_file
 from .usage import UsageReader, UsageTracker, shim_usage
@@ -140,24 +140,12 @@ class DevicePlugin:
         os.makedirs(self.paths.region_dir, mode=0o755, exist_ok=True)
         from . import regionfs  # here: `python -m mpsd.plugin.regionfs` must not find it imported
 
-        bound = regionfs.describe(self.paths.region_dir)
-        if bound is None:
-            log.warning(
-                "regionDir %s is not a tmpfs of its own: what pods write there is bounded only by the file "
-                "system it is on (mount one: python -m mpsd.plugin.regionfs %s 256Mi, as the DaemonSet does)",
-                self.paths.region_dir, self.paths.region_dir,
-            )
-        else:
-            log.info("regionDir %s is a %s", self.paths.region_dir, bound)
+        _log_bound(regionfs, "regionDir", self.paths.region_dir, "256Mi", "the DaemonSet")
+        if self.paths.ipc_mode == "tmpfs":  # every GPU pod's /dev/shm, shared read-write
+            _log_bound(regionfs, "shmDir", self.paths.shm_dir, "1Gi --mode 1777 --label shmDir",
+                       "deploy/overlays/tmpfs")
         for allocation in self.store.all():
-            if not os.path.isdir(allocation.region_dir):
-                log.warning(
-                    "region directory missing, re-creating allocation=%s path=%s",
-                    allocation.allocation_id,
-                    allocation.region_dir,
-                )
-                os.makedirs(allocation.region_dir, exist_ok=True)
-                os.chmod(allocation.region_dir, 0o777)
+            restore_region_dir(allocation, self.paths.region_dir)
         self._serve()
         self.check()
         loops = [("mpsd-plugin-watch", self._watch_loop)]
@@ -317,3 +305,16 @@ def run_plugin(
         usage_reader=functools.partial(shim_usage, library=shim_library),
     )
     plugin.run(stop)
+
+
+def _log_bound(regionfs, label: str, path: str, args: str, example: str) -> None:
+    """One line at start: the tmpfs that bounds what pods write at ``path``, or a warning."""
+    bound = regionfs.describe(path)
+    if bound is None:
+        log.warning(
+            "%s %s is not a tmpfs of its own: what pods write there is bounded only by the file "
+            "system it is on (mount one: python -m mpsd.plugin.regionfs %s %s, as %s does)",
+            label, path, path, args, example,
+        )
+    else:
+        log.info("%s %s is a %s", label, path, bound)

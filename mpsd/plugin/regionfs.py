@@ -6,12 +6,16 @@ could fill the file system that the node and the plugin's state depend on. A tmp
 with ``size=`` (and ``nr_inodes=``, empty files cost kernel memory too) is a hard limit the
 kernel enforces; its pages are charged to the memory cgroup of the pod that writes them.
 
-    python -m mpsd.plugin.regionfs PATH SIZE [--inodes N]
+    python -m mpsd.plugin.regionfs PATH SIZE [--inodes N] [--mode 1777 --label shmDir]
 
 mounts it (nosuid, nodev, noexec, mode 0755) unless PATH is a tmpfs mount point already (a
 restart of mpsd: mounting again would hide the directories pods use). The DaemonSet runs it
 in an init container (deploy/base/daemonset.yaml); the mount must reach the host's mount
 namespace, where the container runtime bind-mounts each allocation's directory into its pod.
+
+With ``ipcMode: tmpfs`` the same command bounds ``shmDir``, every GPU pod's ``/dev/shm``
+(deploy/overlays/tmpfs): ``--mode 1777`` as any ``/dev/shm`` (any UID creates segments, only
+their owner removes them), ``--label shmDir`` for its lines.
 
 The plugin calls ``describe(path)`` at start and logs what bounds regionDir.
 """
@@ -92,20 +96,22 @@ def describe(path: str) -> str | None:
     return f"tmpfs size={mount.options.get('size', '?')} nr_inodes={mount.options.get('nr_inodes', '?')}"
 
 
-def ensure_tmpfs(path: str, size: int, inodes: int = DEFAULT_INODES) -> str:
+def ensure_tmpfs(path: str, size: int, inodes: int = DEFAULT_INODES, mode: int = 0o755,
+                 label: str = "regionDir") -> str:
     """Mount a tmpfs of ``size`` bytes at ``path`` unless one is there already. A line saying
     which; OSError when it cannot (no CAP_SYS_ADMIN, say)."""
     existing = describe(path)
     if existing is not None:
-        return f"regionDir {path} is a {existing} already, left as it is"
+        return f"{label} {path} is a {existing} already, left as it is"
     os.makedirs(path, mode=0o755, exist_ok=True)
     libc = ctypes.CDLL(None, use_errno=True)
-    options = f"size={size},nr_inodes={inodes},mode=0755".encode()
+    options = f"size={size},nr_inodes={inodes},mode={mode:04o}".encode()
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
     if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", ctypes.c_ulong(flags), options) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot mount a tmpfs at {path}: {os.strerror(err)}")
-    return f"regionDir {path} mounted: tmpfs size={size} nr_inodes={inodes}"
+    shown = "" if mode == 0o755 else f" mode={mode:o}"
+    return f"{label} {path} mounted: tmpfs size={size} nr_inodes={inodes}{shown}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("path", help="regionDir, as in the configuration")
     ap.add_argument("size", help="bytes, or with Ki, Mi, Gi (e.g. 256Mi)")
     ap.add_argument("--inodes", type=int, default=DEFAULT_INODES, help="files and directories at most")
+    ap.add_argument("--mode", default="0755", help="octal mode of the mount's root (1777 for shmDir)")
+    ap.add_argument("--label", default="regionDir", choices=("regionDir", "shmDir"), help="what PATH is, for the log")
     args = ap.parse_args(argv)
+    if not re.fullmatch(r"[0-7]{3,4}", args.mode):
+        sys.stderr.write(f"error: bad --mode {args.mode[:40]!r}: expected an octal mode such as 0755 or 1777\n")
+        return 2
     try:
         size = parse_size(args.size)
     except ValueError as exc:
@@ -124,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"and 1..{1 << 24} inodes\n")
         return 2
     try:
-        sys.stdout.write(ensure_tmpfs(args.path, size, args.inodes) + "\n")
+        sys.stdout.write(ensure_tmpfs(args.path, size, args.inodes, int(args.mode, 8), args.label) + "\n")
     except OSError as exc:
         sys.stderr.write(f"error: {exc.strerror if exc.strerror else exc}\n")
         return 1

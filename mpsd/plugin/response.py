@@ -62,7 +62,10 @@ def container_env(plan: Plan, pipe_dir: str) -> dict[str, str]:
 def container_mounts(plan: Plan, paths: HostPaths, region_dir: str) -> list[api_pb2.Mount]:
     """``region_dir``: this container's own directory in regionDir (fresh for each Allocate)."""
     mounts = [
-        api_pb2.Mount(container_path=paths.pipe_dir, host_path=paths.pipe_dir, read_only=False),
+        # read-only: clients only connect() to the daemon's sockets, which Linux allows on a
+        # read-only mount; a pod that could write here could plant its own sockets (an impostor
+        # daemon), rename or delete the daemon's
+        api_pb2.Mount(container_path=paths.pipe_dir, host_path=paths.pipe_dir, read_only=True),
         api_pb2.Mount(container_path=CONTAINER_REGION_DIR, host_path=region_dir, read_only=False),
         api_pb2.Mount(container_path=CONTAINER_SHIM_DIR, host_path=paths.shim_host_dir, read_only=True),
     ]

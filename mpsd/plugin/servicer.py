@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from typing import Sequence
@@ -129,8 +130,8 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             log.error("Allocate refused error=%s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            for plan in plans:
-                allocation = self.record(plan)
+            allocations = self.record_all(plans)
+            for plan, allocation in zip(plans, allocations, strict=True):
                 response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
         except PluginError as exc:  # the node's side: regionDir full, the state not writable
             log.error("Allocate failed error=%s", exc)
@@ -141,52 +142,38 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
     def record(self, plan: Plan) -> Allocation:
-        """Create a fresh region directory for the container (mode 0777) and remember it.
+        """``record_all`` of one plan."""
+        return self.record_all([plan])[0]
 
-        Under the store's lock from the directory to the state, so that garbage collection
+    def record_all(self, plans: Sequence[Plan]) -> list[Allocation]:
+        """Create a fresh region directory for each plan (mode 0777) and remember them all
+        in one journal line: all or nothing. When anything fails (regionDir full, the state
+        disk full) the new directories are removed and the state is exactly as before (the
+        journal, memory, and earlier allocations of the same device IDs still named): the
+        caller's request failed, so nothing of it may stay.
+
+        Under the store's lock from the directories to the state, so that garbage collection
         (which decides under the same lock) never takes a directory being recorded. The same
         device IDs again (a new pod on the same slices) get a new directory too: the previous
         tenant's files (a region whose lock it poisoned, say) never reach the next pod; its
         directory, no longer named by the state, is removed by garbage collection."""
+        if not plans:
+            return []
         with self.store.lock:
-            return self._record(plan)
-
-    def _record(self, plan: Plan) -> Allocation:
-        directory = self._fresh_dir(plan.allocation_id)
-        if plan.spans_gpus:
-            log.warning(
-                "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
-                "(one MPS percentage per client: the largest is used)",
-                plan.allocation_id,
-                plan.visible_devices,
-                plan.memory_limits,
-                plan.active_thread_percentage,
-            )
-        previous = self.store.get(plan.allocation_id)
-        allocation = Allocation(
-            allocation_id=plan.allocation_id,
-            device_ids=plan.device_ids,
-            gpus=tuple(g.uuid for g in plan.gpus),
-            memory_limits=plan.memory_limits,
-            active_thread_percentage=plan.active_thread_percentage,
-            region_dir=directory,
-            created=time.time(),
-        )
-        try:
-            self.store.put(allocation)
-        except PluginError:
-            _remove_empty(directory)
-            raise
-        log.info(
-            "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s region=%s%s",
-            plan.allocation_id,
-            ",".join(plan.device_ids),
-            plan.memory_limits,
-            plan.active_thread_percentage,
-            os.path.basename(directory),
-            f" replaces={os.path.basename(previous.region_dir)}" if previous is not None else "",
-        )
-        return allocation
+            directories: list[str] = []
+            try:
+                for plan in plans:
+                    directories.append(self._fresh_dir(plan.allocation_id))
+                allocations = [_allocation(plan, d) for plan, d in zip(plans, directories, strict=True)]
+                previous = [self.store.get(plan.allocation_id) for plan in plans]
+                self.store.put_many(allocations)
+            except BaseException:
+                for directory in directories:
+                    _remove_empty(directory)
+                raise
+        for plan, allocation, before in zip(plans, allocations, previous, strict=True):
+            _log_allocated(plan, allocation, before)
+        return allocations
 
     def _fresh_dir(self, allocation_id: str) -> str:
         """A new directory ``<allocation ID>-<random>`` that did not exist before (mkdir, not
@@ -207,6 +194,67 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             except OSError as exc:
                 raise PluginError(f"cannot create region directory {directory}: {exc.strerror or exc}") from exc
         raise PluginError(f"cannot create a new region directory in {self.paths.region_dir}: names taken")
+
+
+def restore_region_dir(allocation: Allocation, region_root: str) -> bool:
+    """At start: re-create the directory of a stored allocation that is missing (mode 0777, as
+    Allocate made it). Only a directory of ours is made: directly in ``region_root``, named
+    ``<allocation ID>-...``. Anything else (a record naming a place outside regionDir, a file
+    or a link standing where the directory should be) is left alone with one line: the plugin
+    starts all the same, and garbage collection deals with the record. True when it is there."""
+    path = allocation.region_dir
+    if (os.path.dirname(os.path.abspath(path)) != os.path.abspath(region_root)
+            or not os.path.basename(path).startswith(allocation.allocation_id + "-")):
+        why = f"not a directory of ours in regionDir {region_root}"
+    else:
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                return True
+            why = "a file or a link stands there"
+        except FileNotFoundError:
+            try:
+                os.mkdir(path, 0o700)
+                os.chmod(path, 0o777)  # not in mkdir: the umask would take bits off
+                log.warning("region directory missing, re-created allocation=%s path=%s",
+                            allocation.allocation_id, path)
+                return True
+            except OSError as exc:
+                why = f"cannot create it: {exc.strerror or exc}"
+        except OSError as exc:
+            why = f"cannot inspect it: {exc.strerror or exc}"
+    log.warning("region directory of a stored allocation not re-created allocation=%s path=%s (%s)",
+                allocation.allocation_id, path, why)
+    return False
+
+
+def _allocation(plan: Plan, directory: str) -> Allocation:
+    return Allocation(
+        allocation_id=plan.allocation_id,
+        device_ids=plan.device_ids,
+        gpus=tuple(g.uuid for g in plan.gpus),
+        memory_limits=plan.memory_limits,
+        active_thread_percentage=plan.active_thread_percentage,
+        region_dir=directory,
+        created=time.time(),
+    )
+
+
+def _log_allocated(plan: Plan, allocation: Allocation, previous: Allocation | None) -> None:
+    if plan.spans_gpus:
+        log.warning(
+            "allocation spans GPUs allocation=%s gpus=%s memory_limits=%s thread_percentage=%s "
+            "(one MPS percentage per client: the largest is used)",
+            plan.allocation_id, plan.visible_devices, plan.memory_limits, plan.active_thread_percentage,
+        )
+    log.info(
+        "Allocate allocation=%s devices=%s memory_limits=%s thread_percentage=%s region=%s%s",
+        plan.allocation_id,
+        ",".join(plan.device_ids),
+        plan.memory_limits,
+        plan.active_thread_percentage,
+        os.path.basename(allocation.region_dir),
+        f" replaces={os.path.basename(previous.region_dir)}" if previous is not None else "",
+    )
 
 
 def _remove_empty(directory: str) -> None:

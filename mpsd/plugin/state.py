@@ -186,8 +186,14 @@ class StateStore:
             return gone
 
     def _compact_if_long(self) -> None:
+        """Compact a long journal. The change that made it long is durable already (its line
+        is in the journal), so a failed compaction (a full disk) does not undo or fail it: one
+        line, and the next change or usage round tries again."""
         if self.journal_lines >= self.compact_every:
-            self.compact()
+            try:
+                self.compact()
+            except PluginError as exc:
+                log.warning("state compaction failed, the journal keeps every change error=%s", exc)
 
     def compact(self) -> None:
         """Write the snapshot (atomically) and empty the journal. Off Allocate's path: at

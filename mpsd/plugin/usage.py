@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from ..errors import MpsdError
+from ..errors import MpsdError, PluginError
 from ..metrics import AllocationUsage
+from ..trees import remove_tree
 from .kubelet import Holder, list_holders
 from .slicing import allocation_id
 from .state import Allocation, StateStore
@@ -145,18 +145,27 @@ class UsageTracker:
                 holders = list_holders(self.pod_resources_socket, self.resource_name)
             except MpsdError as exc:
                 self._warn_once("podresources", "pod-resources unavailable, keeping allocations error=%s", exc)
-        result = reconcile(self.store.all(), holders, now, self.gc_grace, self._missing_since)
+        previous = self._missing_since
+        result = reconcile(self.store.all(), holders, now, self.gc_grace, previous)
         self._missing_since = result.missing_since
-        self._label(result.keep)
-        if result.stale:
-            self.collect(result.stale)
+        try:  # a state that cannot be written (a full disk) holds up labels and GC, not usage
+            self._label(result.keep)
+            if result.stale:
+                self.collect(result.stale)  # nothing is released that the state still names
+        except PluginError as exc:
+            self._warn_once(f"state:{exc}", "state not writable, labels and garbage collection wait error=%s", exc)
+            for a in result.stale:  # still stale: collected as soon as the state can be written
+                self._missing_since[a.allocation_id] = previous.get(a.allocation_id, now)
         self.sweep(holders, now)
         used = {a.allocation_id: self._read(a) for a in result.keep}
         rows = usage_rows(result.keep, used, self.gpu_index)
         if self.metrics is not None:
             self.metrics.set_allocations(rows)
         if self.store.journal_lines:
-            self.store.compact()  # here, off Allocate's path
+            try:
+                self.store.compact()  # here, off Allocate's path
+            except PluginError as exc:
+                self._warn_once(f"state:{exc}", "state compaction failed, tried again next round error=%s", exc)
         return rows
 
     def _label(self, labelled: list[Allocation]) -> None:
@@ -213,25 +222,43 @@ class UsageTracker:
             since[name] = first = min(self._unnamed_since.get(name, now), now)
             if now - first >= self.gc_grace:
                 path = os.path.join(self.region_root, name)
-                log.info("region directory removed path=%s (no allocation names it)", path)
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-                del since[name]
+                if self._remove(path, "no allocation names it"):
+                    removed.append(path)
+                    del since[name]
         self._unnamed_since = since
         return removed
 
     def _release(self, a: Allocation) -> None:
         log.info("allocation released allocation=%s devices=%s", a.allocation_id, ",".join(a.device_ids))
         if os.path.dirname(os.path.abspath(a.region_dir)) == self.region_root:
-            shutil.rmtree(a.region_dir, ignore_errors=True)
+            self._remove(a.region_dir, f"allocation {a.allocation_id} released")  # else swept later
         else:  # never delete outside regionDir, whatever the state file says
             log.warning("region directory outside regionDir left alone path=%s", a.region_dir)
+
+    def _remove(self, path: str, why: str) -> bool:
+        """Remove a pod's directory, whatever it holds; one line when it cannot (the next
+        round tries again), and never an exception: one directory never stops a round."""
+        try:
+            result = remove_tree(path)
+        except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: the other directories go on
+            result = None
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = result.error
+        if not error:
+            log.info("region directory removed path=%s (%s) entries=%d", path, why, result.removed)
+            return True
+        self._warn_once(f"remove:{path}:{error}", "region directory not removed path=%s (%s) error=%s "
+                        "(tried again next round)", path, why, error)
+        return False
 
     def _read(self, a: Allocation) -> Mapping[int, int]:
         path = os.path.join(a.region_dir, self.region_name)
         try:
             return self.usage_reader(path)
         except Exception as exc:  # a damaged or foreign region must not stop the others
+            if self.metrics is not None:
+                self.metrics.region_refused("allocation", exc)  # every round: the alert sees it go on
             # once per directory: a new pod on the same slices has a directory of its own
             self._warn_once(path, "cannot read usage allocation=%s path=%s error=%s", a.allocation_id, path, exc)
             return {}

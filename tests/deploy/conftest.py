@@ -21,7 +21,9 @@ KUSTOMIZATIONS = {
     "deploy/overlays/monitoring": "hostIPC",
 }
 NODE_KUSTOMIZATIONS = list(KUSTOMIZATIONS)
-ALL_KUSTOMIZATIONS = NODE_KUSTOMIZATIONS + ["deploy/sidecar"]
+# deploy/overlays/dra is a node install too, but with the device plugin off, RBAC and a token:
+# tests/deploy/test_dra.py holds its invariants.
+ALL_KUSTOMIZATIONS = NODE_KUSTOMIZATIONS + ["deploy/sidecar", "deploy/overlays/dra"]
 
 
 def kubectl() -> str | None:

@@ -11,7 +11,7 @@ here instead of being silently ignored:
 - ``namespace``: set on every namespaced object of this kustomization;
 - ``configMapGenerator``: ``files`` entries, ``behavior`` create|replace, and only with
   ``options.disableNameSuffixHash: true`` (name hashing is not implemented) and ``options.labels``;
-- ``patches``: a ``path`` to an RFC 6902 JSON patch (ops add, replace, remove) with a
+- ``patches``: a ``path`` to an RFC 6902 JSON patch (ops add, replace, remove, test) with a
   ``target`` selecting by group/version/kind/name.
 """
 
@@ -27,7 +27,8 @@ import yaml
 Obj = dict[str, Any]
 
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "RuntimeClass",
-                  "PriorityClass", "CustomResourceDefinition", "StorageClass"}
+                  "PriorityClass", "CustomResourceDefinition", "StorageClass", "DeviceClass",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "namespace",
                       "configMapGenerator", "patches"}
 
@@ -147,7 +148,7 @@ def _apply_patch(directory: Path, patch: Obj, objects: list[Obj]) -> None:
 
 
 def json_patch(doc: Obj, ops: list[Obj]) -> Obj:
-    """RFC 6902 add/replace/remove on a copy of ``doc``."""
+    """RFC 6902 add/replace/remove/test on a copy of ``doc``."""
     doc = copy.deepcopy(doc)
     for op in ops:
         *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
@@ -155,8 +156,13 @@ def json_patch(doc: Obj, ops: list[Obj]) -> Obj:
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
         kind = op["op"]
-        if kind not in ("add", "replace", "remove"):
+        if kind not in ("add", "replace", "remove", "test"):
             raise KustomizeError(f"JSON patch op {kind!r} is not supported")
+        if kind == "test":
+            found = node[int(last)] if isinstance(node, list) else node.get(last)
+            if found != op["value"]:
+                raise KustomizeError(f"JSON patch test {op['path']}: {found!r} is not {op['value']!r}")
+            continue
         if isinstance(node, list):
             index = len(node) if last == "-" else int(last)
             if kind == "add":

@@ -89,12 +89,29 @@ def test_ipc_mode_matches_the_pod(name: str, ipc_mode: str) -> None:
         assert "/dev/shm" not in mounts
     else:
         assert spec.get("hostIPC", False) is False
-        assert mounts["/dev/shm"] == cfg["devicePlugin"]["shmDir"]
-        # Under the host's /dev/shm, so it is memory-backed without a mount of our own.
-        assert cfg["devicePlugin"]["shmDir"].startswith("/dev/shm/")
-        init = {c["name"]: c for c in spec["initContainers"]}["shm-mode"]
-        assert init["command"] == ["/bin/chmod", "1777", "/dev/shm"]
-        assert [m["mountPath"] for m in init["volumeMounts"]] == ["/dev/shm"]
+        shm_dir = cfg["devicePlugin"]["shmDir"]
+        assert mounts["/dev/shm"] == shm_dir
+        assert_shm_dir_is_a_bounded_tmpfs(spec, cfg)
+
+
+def assert_shm_dir_is_a_bounded_tmpfs(spec: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """shmDir is every GPU pod's /dev/shm: a size-limited tmpfs of its own (mode 1777), mounted by
+    an init container before mpsd starts, where the mount reaches the host (as regionDir's)."""
+    shm_dir, state_dir = cfg["devicePlugin"]["shmDir"], cfg["stateDir"]
+    init = {c["name"]: c for c in spec["initContainers"]}["shm-tmpfs"]
+    command = init["command"]
+    assert command[:4] == ["python", "-m", "mpsd.plugin.regionfs", shm_dir], command
+    from mpsd.plugin import regionfs
+    assert regionfs.parse_size(command[4]) > 0
+    assert command[5:] == ["--inodes", command[6], "--mode", "1777", "--label", "shmDir"] and int(command[6]) > 0
+    # mounted inside stateDir's volume, propagated to the host (only a privileged container may)
+    assert shm_dir.startswith(state_dir.rstrip("/") + "/")
+    (mount,) = [m for m in init["volumeMounts"] if m["mountPath"] == state_dir]
+    assert mount["mountPropagation"] == "Bidirectional" and init["securityContext"]["privileged"] is True
+    # and mpsd, started after it, sees the tmpfs (HostToContainer) as its /dev/shm
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (shm,) = [m for m in main_container(spec)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert volumes[shm["name"]]["hostPath"]["path"] == shm_dir
 
 
 def test_configs_of_the_two_ipc_modes_differ_only_in_ipc() -> None:
@@ -216,16 +233,21 @@ def test_region_dir_gets_a_size_limited_tmpfs_that_reaches_the_host(node_kustomi
     assert not state_dir.startswith(path.rstrip("/") + "/")
 
 
+REGIONFS = ["python", "-m", "mpsd.plugin.regionfs"]
+
+
 def test_least_privilege(node_kustomization: str) -> None:
     spec = pod_spec(node_kustomization)
-    init = region_tmpfs(spec)
-    # privileged only to mount one tmpfs (mount(2), and Bidirectional propagation needs it);
-    # it runs one command and exits before mpsd starts
-    assert init["securityContext"] == {"privileged": True, "runAsUser": 0}
-    assert [m["name"] for m in init["volumeMounts"]] == ["state-dir"]
-    assert "memory" in init["resources"]["limits"]
+    # privileged only to mount one tmpfs each (mount(2), and Bidirectional propagation needs it):
+    # regionDir's, and in tmpfs mode shmDir's; each runs one command and exits before mpsd starts
+    mounters = [c for c in spec.get("initContainers", []) if c["command"][:3] == REGIONFS]
+    assert region_tmpfs(spec) in mounters
+    for init in mounters:
+        assert init["securityContext"] == {"privileged": True, "runAsUser": 0}
+        assert [m["name"] for m in init["volumeMounts"]] == ["state-dir"]
+        assert "memory" in init["resources"]["limits"]
     for container in spec["containers"] + spec.get("initContainers", []):
-        if container is init:
+        if container in mounters:
             continue
         ctx = container["securityContext"]
         assert ctx.get("privileged", False) is False, container["name"]
@@ -280,3 +302,11 @@ def test_each_added_capability_is_justified_in_the_comment_above_it() -> None:
     comment = block[block.rindex("allowPrivilegeEscalation"):]
     for cap in ctx["capabilities"]["add"]:
         assert re.search(rf"#\s+.*\b{cap}\b", comment), cap
+
+
+def test_the_pipe_dir_is_not_the_one_the_nvidia_runtime_mounts_read_write(node_kustomization: str) -> None:
+    # libnvidia-container mounts the host's /tmp/nvidia-mps (MPS's default) into every GPU
+    # container read-write (src/nvc_mount.c, mount_ipc: MS_NODEV|MS_NOSUID|MS_NOEXEC, no
+    # MS_RDONLY), after the kubelet's mounts: over the device plugin's read-only pipe dir.
+    # A private pipe dir is mounted into pods only by Allocate, read-only.
+    assert raw_config(node_kustomization)["pipeDir"] != "/tmp/nvidia-mps"

@@ -4,6 +4,7 @@ metrics exporter; and the FAULT count pushed from a supervisor status."""
 
 from __future__ import annotations
 
+import functools
 import os
 import urllib.request
 
@@ -95,6 +96,43 @@ def test_without_a_shim_library_the_regions_are_not_read(tmp_path):
     assert ExecRegions(str(tmp_path / "exec"), missing)() == []
 
 
+def test_each_refused_region_is_counted_by_reason_at_every_read(holder_exe, shim_lib, tmp_path):
+    root = tmp_path / "exec"
+    for name in ("bad", "huge", "good"):
+        (root / name).mkdir(parents=True)
+    (root / "bad" / "region").write_bytes(b"not a region" * 1000)
+    with open(root / "huge" / "region", "wb") as f:
+        f.truncate(1 << 40)  # sparse: refused for its size, never read
+    a = hold(holder_exe, root / "good" / "region", f"0:{4 * G}:{G}")
+    metrics = Metrics()
+    read = ExecRegions(str(root), lambda: str(shim_lib), functools.partial(metrics.region_refused, "exec"))
+    try:
+        assert [r.region for r in read()] == ["good"]
+        assert [r.region for r in read()] == ["good"]
+        counted = {
+            reason: metrics.registry.get_sample_value("mpsd_regions_refused_total", {"kind": "exec", "reason": reason})
+            for reason in ("corrupted", "too_large", "not_regular", "unreadable")
+        }
+        assert counted == {"corrupted": 2, "too_large": 2, "not_regular": 0, "unreadable": 0}
+        assert 'mpsd_regions_refused_total{kind="exec",reason="corrupted"} 2.0' in scrape(metrics)
+    finally:
+        a.kill()
+        a.wait()
+
+
+def test_mpsd_run_counts_the_refused_regions_under_its_state_dir(shim_lib, tmp_path):
+    from mpsd import config as cfg
+    from mpsd.node import exec_regions
+
+    (tmp_path / "exec" / "bad").mkdir(parents=True)
+    (tmp_path / "exec" / "bad" / "region").write_bytes(b"not a region" * 1000)
+    config = cfg.load(None, {}, {"state-dir": str(tmp_path), "shim-library": str(shim_lib)})
+    metrics = Metrics()
+    assert exec_regions(config, metrics)() == []
+    assert 'mpsd_regions_refused_total{kind="exec",reason="corrupted"} 1.0' in scrape(metrics)
+    assert exec_regions(config, None)() == []  # without metrics: read, nothing counted
+
+
 def test_the_pump_exports_region_series_and_drops_them_when_the_region_goes(holder_exe, shim_lib, tmp_path):
     root = tmp_path / "exec"
     (root / "web").mkdir(parents=True)
@@ -161,3 +199,29 @@ def test_a_client_truncating_its_region_cannot_kill_mpsd_run(holder_exe, shim_li
     region.parent.mkdir(parents=True)
     holder = hold(holder_exe, region, f"0:{8 * G}:{G}")
     reader_survives_truncation(holder, region, READER, str(tmp_path / "exec"), str(shim_lib))
+
+
+def bytes_read() -> int:
+    """What this process has read through read(2)/pread(2) so far (/proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_a_region_of_the_wrong_size_is_refused_before_a_byte_of_it_is_copied(shim_lib, tmp_path):
+    import pytest
+
+    import shim
+    from shim._usage import MAX_REGION_BYTES
+
+    root = tmp_path / "exec"
+    for k in range(4):  # files as large as the reader ever took (sparse: no disk needed)
+        (root / f"r{k}").mkdir(parents=True)
+        with open(root / f"r{k}" / "region", "wb") as f:
+            f.truncate(MAX_REGION_BYTES)
+    before = bytes_read()
+    rows = ExecRegions(str(root), lambda: str(shim_lib))()
+    read = bytes_read() - before
+    assert rows == []  # each refused, none stops the others
+    assert read < 4 * M, f"{read} bytes read"  # the library's own load, not 4 x 64 MiB of copies
+    with pytest.raises(shim.RegionError, match=r"r0/region is 67108864 bytes, expected \d+ \(truncated"):
+        shim.usage(root / "r0" / "region", library=str(shim_lib), copy=True)

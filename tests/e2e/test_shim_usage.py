@@ -36,12 +36,14 @@ def test_usage_reads_caps_usage_and_live_and_dead_holders(holder_exe, shim_lib, 
 
 
 def test_usage_of_a_missing_or_corrupted_region_is_a_region_error(shim_lib, tmp_path):
-    with pytest.raises(shim.RegionError, match=r"cannot read region '.*/absent': "):
+    with pytest.raises(shim.RegionError, match=r"cannot read region '.*/absent': ") as missing:
         shim.usage(tmp_path / "absent", library=shim_lib)
+    assert missing.value.reason == "missing"
     bad = tmp_path / "bad"
     bad.write_bytes(b"not a region" * 1000)
-    with pytest.raises(shim.RegionError, match=r"cannot read region '.*/bad': .+"):
+    with pytest.raises(shim.RegionError, match=r"cannot read region '.*/bad': .+") as corrupted:
         shim.usage(bad, library=shim_lib)
+    assert corrupted.value.reason == "corrupted"
 
 
 def test_cli_path_and_usage(holder_exe, shim_lib, tmp_path, run_client):
@@ -99,10 +101,12 @@ def test_usage_refuses_a_fifo_a_symlink_and_an_oversized_file_without_blocking(h
     try:
         err = _within(10, lambda: shim.usage(fifo, library=shim_lib))
         assert isinstance(err, shim.RegionError) and "not a regular file" in str(err) and "\n" not in str(err)
+        assert err.reason == "not_regular"  # the word mpsd_regions_refused_total counts it under
         err = _within(10, lambda: shim.usage(link, library=shim_lib))
         assert isinstance(err, shim.RegionError) and "symbolic link" in str(err) and str(link) in str(err)
+        assert err.reason == "not_regular"
         err = _within(10, lambda: shim.usage(huge, library=shim_lib))
-        assert isinstance(err, shim.RegionError) and "bytes" in str(err)
+        assert isinstance(err, shim.RegionError) and "bytes" in str(err) and err.reason == "too_large"
         assert [(d.device, d.used) for d in shim.usage(real, library=shim_lib)] == [(0, G)]  # a real one still reads
     finally:
         try:

@@ -182,3 +182,20 @@ def test_update_supervisor_counts_each_change_once(metrics: Metrics, server: Ser
 def test_update_gpus_is_observe_inventory(metrics: Metrics, server: Server) -> None:
     metrics.update_gpus([GPU0], [Client(0, 7, GIB)])
     assert named(scrape(server), "mpsd_client_memory_bytes") == {(("gpu", "0"), ("pid", "7")): GIB}
+
+
+def test_region_refusals_are_counted_by_kind_and_reason_from_zero(metrics: Metrics, server: Server) -> None:
+    from shim import RegionError
+
+    refused = named(scrape(server), "mpsd_regions_refused_total")
+    assert len(refused) == 8 and set(refused.values()) == {0.0}  # 2 kinds x 4 reasons, before any refusal
+    assert metrics.region_refused("exec", RegionError("bad magic", "corrupted")) is True
+    assert metrics.region_refused("allocation", RegionError("a FIFO", "not_regular")) is True
+    assert metrics.region_refused("allocation", RegionError("gone meanwhile", "missing")) is False
+    assert metrics.region_refused("allocation", OSError("no library")) is False
+    refused = named(scrape(server), "mpsd_regions_refused_total")
+    assert refused[(("kind", "exec"), ("reason", "corrupted"))] == 1.0
+    assert refused[(("kind", "allocation"), ("reason", "not_regular"))] == 1.0
+    assert sum(refused.values()) == 2.0 and len(refused) == 8
+    with pytest.raises(ValueError, match="region kind 'pod': expected one of allocation, exec"):
+        metrics.region_refused("pod", RegionError("x", "corrupted"))

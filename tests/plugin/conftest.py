@@ -4,7 +4,6 @@ sockets in a short temporary directory (unix socket paths are limited to 107 byt
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from mpsd.plugin import (
     podresources_pb2_grpc,
 )
 from mpsd.plugin.response import HostPaths
+from mpsd.trees import remove_tree
 
 GIB = 1 << 30
 RESOURCE = "mpsd.io/gpu"
@@ -92,7 +92,7 @@ class FakePodResources(podresources_pb2_grpc.PodResourcesListerServicer):
 def short_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
     yield d
-    shutil.rmtree(d, ignore_errors=True)
+    remove_tree(str(d))  # what a test's pods left, of any depth
 
 
 @dataclass

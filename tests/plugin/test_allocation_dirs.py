@@ -101,3 +101,49 @@ def test_state_file_inside_the_region_dir_is_refused(env, kubelet):
     with pytest.raises(PluginError, match=r"state file .*state\.json is inside regionDir .*: expected a directory"):
         plugin.start()
     plugin.stop()
+
+
+def test_odd_state_records_are_skipped_with_one_line_and_the_plugin_starts(env, kubelet, tmp_path, caplog):
+    """Only a missing directory of ours, directly in regionDir, is re-created (0777); a record
+    naming a place outside regionDir, or one where a file or a dangling link stands, is left
+    alone with one line each, and the plugin starts all the same."""
+    from mpsd.plugin.slicing import allocation_id
+    from mpsd.plugin.state import Allocation, StateStore
+
+    g = gpus(80)
+    regions = env.paths.region_dir
+    os.makedirs(regions)
+    host = tmp_path / "host"
+    host.mkdir()
+    odd = {
+        "outside": str(host / "made-by-the-plugin"),
+        "file": os.path.join(regions, allocation_id([f"{g[0].uuid}::1"]) + "-000000000001"),
+        "dangling": os.path.join(regions, allocation_id([f"{g[0].uuid}::2"]) + "-000000000002"),
+        "nested": os.path.join(regions, "elsewhere", allocation_id([f"{g[0].uuid}::3"]) + "-000000000003"),
+    }
+    with open(odd["file"], "w") as f:
+        f.write("not a directory")
+    os.symlink(str(host / "missing"), odd["dangling"])
+    good = os.path.join(regions, allocation_id([f"{g[0].uuid}::0"]) + "-000000000000")
+    records = [(0, good)] + [(k, path) for k, path in enumerate(odd.values(), start=1)]
+    store = StateStore(str(env.state_path))
+    store.put_many(
+        Allocation(allocation_id([f"{g[0].uuid}::{k}"]), (f"{g[0].uuid}::{k}",), (g[0].uuid,), {0: 1 << 30}, 10.0,
+                   path, time.time())
+        for k, path in records
+    )
+    store.close()
+    plugin = env.plugin(g)
+    with caplog.at_level("WARNING"):
+        plugin.start()
+    try:
+        assert os.path.isdir(good) and stat.S_IMODE(os.stat(good).st_mode) == 0o777
+        assert not (host / "made-by-the-plugin").exists() and not (host / "missing").exists()
+        assert not os.path.exists(os.path.join(regions, "elsewhere"))
+        assert os.path.isfile(odd["file"]) and os.path.islink(odd["dangling"])
+        for path in odd.values():
+            lines = [r.getMessage() for r in caplog.records if path in r.getMessage()]
+            assert len(lines) == 1 and "not re-created" in lines[0], (path, lines)
+        assert len(plugin.store.all()) == 5  # the records stay: garbage collection handles them
+    finally:
+        plugin.stop()

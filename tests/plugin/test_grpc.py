@@ -138,7 +138,7 @@ def test_mounts(started, env):
     _, s = stub(started(g, slices=2))
     r = allocate(s, [f"{g[0].uuid}::1"]).container_responses[0]
     mounts = {m.container_path: (m.host_path, m.read_only) for m in r.mounts}
-    assert mounts[env.paths.pipe_dir] == (env.paths.pipe_dir, False)
+    assert mounts[env.paths.pipe_dir] == (env.paths.pipe_dir, True)  # read-only: no pod writes it
     assert mounts["/run/mpsd-shim"] == (env.paths.shim_host_dir, True)
     assert mounts["/run/mpsd"][1] is False
     assert "/dev/shm" not in mounts  # hostIPC mode

@@ -121,3 +121,28 @@ def test_a_pod_filling_its_directory_is_bounded_and_other_pods_still_allocate(en
         assert os.path.getsize(env.state_path) > 0 and not env.state_path.is_relative_to(region_tmpfs)
     finally:
         plugin.stop()
+
+
+def test_shm_dir_gets_a_sticky_world_writable_tmpfs_named_as_such(tmp_path):
+    # ipcMode tmpfs: shmDir is every GPU pod's /dev/shm; bounded like regionDir, and mode 1777
+    # like any /dev/shm (clients of any UID create segments; only owners remove theirs)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path = str(tmp_path / "shm")
+    proc = subprocess.run([sys.executable, "-m", "mpsd.plugin.regionfs", path, "1Mi", "--inodes", "64",
+                           "--mode", "1777", "--label", "shmDir"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and "cannot mount" in proc.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        assert proc.stdout == f"shmDir {path} mounted: tmpfs size=1048576 nr_inodes=64 mode=1777\n", proc.stderr
+        assert os.stat(path).st_mode & 0o7777 == 0o1777
+        assert regionfs.describe(path).startswith("tmpfs size=1024k nr_inodes=64")
+    finally:
+        subprocess.run(["umount", path], check=False)
+
+
+@pytest.mark.parametrize("mode", ["777x", "17777", "-1", ""])
+def test_cli_bad_mode_is_exit_2_and_one_line(tmp_path, mode):
+    proc = subprocess.run([sys.executable, "-m", "mpsd.plugin.regionfs", str(tmp_path / "r"), "1Mi", "--mode", mode],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "mode" in proc.stderr, proc.stderr

@@ -41,11 +41,13 @@ def test_container_env(devices, expected):
 
 
 def test_container_mounts():
+    # the pipe dir read-only: a pod can connect to the daemon's sockets, never plant, rename or
+    # delete one (tests/e2e/test_pipe_dir_readonly.py runs the real front-end through it)
     plan = plan_allocation(["GPU-a::0"], G, 10)
     own = f"/var/lib/mpsd/regions/{plan.allocation_id}-0123456789ab"
     mounts = [(m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, PATHS, own)]
     assert mounts == [
-        ("/run/mps", "/run/mps", False),
+        ("/run/mps", "/run/mps", True),
         (own, "/run/mpsd", False),
         ("/var/lib/mpsd/lib", "/run/mpsd-shim", True),
     ]

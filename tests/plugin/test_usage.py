@@ -316,3 +316,32 @@ def test_usage_loop_pushes_metrics_on_its_interval(env, kubelet):
 
 def test_shim_usage_of_a_region_nobody_opened_is_empty(tmp_path):
     assert shim_usage(str(tmp_path / "region")) == {}
+
+
+def test_a_refused_allocation_region_is_counted_every_round_and_an_unopened_one_is_not(env, kubelet, shim_lib):
+    metrics = Metrics()
+    g = gpus(80)
+    reader = lambda path: shim_usage(path, library=str(shim_lib))  # noqa: E731 - the real reader, this library
+    plugin = env.plugin(g, metrics=metrics, usage_reader=reader)
+    plugin.start()
+    try:
+        _, s = stub(plugin)
+        allocate(s, [f"{g[0].uuid}::0"])
+        allocate(s, [f"{g[0].uuid}::1"])
+        bad, unopened = plugin.store.all()
+        with open(os.path.join(bad.region_dir, "region"), "wb") as f:  # what a pod can write there
+            f.write(b"not a region" * 1000)
+
+        def refused(reason: str) -> float | None:
+            return metrics.registry.get_sample_value(
+                "mpsd_regions_refused_total", {"kind": "allocation", "reason": reason}
+            )
+
+        assert refused("corrupted") == 0  # exported from the start
+        plugin.tracker.tick(now=bad.created + 1)
+        plugin.tracker.tick(now=bad.created + 2)
+        assert refused("corrupted") == 2
+        assert refused("not_regular") == refused("too_large") == refused("unreadable") == 0
+        assert os.path.isdir(unopened.region_dir)  # no region file yet: read as empty, not refused
+    finally:
+        plugin.stop()

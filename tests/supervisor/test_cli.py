@@ -47,6 +47,20 @@ def get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 60, why: str = "never ready") -> None:
+    """Until mpsd run's /readyz answers 200; fails when mpsd exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else proc.returncode
+        try:
+            if get(f"http://127.0.0.1:{port}/readyz")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
+
+
 def flags(mps_control, mps_dirs, **extra) -> list[str]:
     pipe, logs = mps_dirs
     values = {
@@ -74,16 +88,7 @@ def test_run_serves_probes_and_sigterm_exits_0_leaving_no_daemon(mps_control, mp
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if get(f"http://127.0.0.1:{port}/readyz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.1)
+        wait_ready(proc, port)
         assert get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
         code, text = get(f"http://127.0.0.1:{port}/metrics")
         assert code == 200 and "mpsd_daemon_up 1.0" in text

@@ -1,0 +1,155 @@
+"""The Kubernetes API server, through lightkube: ResourceClaims read, ResourceSlices written.
+
+The only module that talks to the API server. Objects go in and out as plain JSON dicts
+(camelCase keys, ``resource.k8s.io/v1``) through lightkube's generic resources, so a field
+newer than lightkube's models (``allowMultipleAllocations``, ``capacity`` request policies,
+``consumedCapacity`` ...) passes through unchanged. lightkube brings the transport, TLS, auth
+and config loading:
+
+- ``KUBECONFIG`` set: that file (its current context: server, CA or
+  insecure-skip-tls-verify, bearer token or token file; the first file when it names several);
+- else the pod's service account (token, CA and namespace under
+  /var/run/secrets/kubernetes.io/serviceaccount, server from KUBERNETES_SERVICE_HOST/PORT).
+
+Every call is bounded by ``timeout`` seconds for each of connect, send, wait and read.
+Every failure becomes :class:`mpsd.errors.KubeAPIError` with a one-line message naming the
+call, and ``status`` set to the HTTP status of an answer (404, 409 ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx2
+import msgspec
+import yaml
+from lightkube import ApiError, Client
+from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
+from lightkube.config.models import Cluster, User
+from lightkube.core.exceptions import ConfigError as LightkubeConfigError
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.resources.core_v1 import Node
+
+from ..errors import KubeAPIError, one_line
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+API_VERSION = f"{GROUP}/{VERSION}"
+DEFAULT_TIMEOUT = 10.0
+FIELD_MANAGER = "mpsd"
+ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourceslices")
+ResourceClaim = create_namespaced_resource(GROUP, VERSION, "ResourceClaim", "resourceclaims")
+
+T = TypeVar("T")
+
+
+def load_config(environ: Mapping[str, str] = os.environ, service_account: str = SERVICE_ACCOUNT) -> KubeConfig:
+    """The API server's address and credentials: ``KUBECONFIG``, else the service account."""
+    paths = [p for p in environ.get("KUBECONFIG", "").split(os.pathsep) if p]
+    try:
+        if paths:
+            return KubeConfig.from_file(paths[0])
+        if not Path(service_account, "token").is_file():
+            raise KubeAPIError(
+                f"no API server configuration: KUBECONFIG is not set and there is no service account token "
+                f"in {service_account} (set automountServiceAccountToken, or KUBECONFIG)"
+            )
+        if not environ.get("KUBERNETES_SERVICE_HOST") or not environ.get("KUBERNETES_SERVICE_PORT"):
+            raise KubeAPIError("in-cluster configuration needs KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT")
+        return _service_account_config(Path(service_account), environ)
+    except (LightkubeConfigError, OSError, AttributeError, KeyError, TypeError, ValueError, yaml.YAMLError,
+            msgspec.MsgspecError) as e:
+        where = f"KUBECONFIG file {paths[0]!r}" if paths else f"service account {service_account!r}"
+        raise KubeAPIError(f"bad {where}: {one_line(e) or type(e).__name__}") from e
+
+
+def _service_account_config(account: Path, environ: Mapping[str, str]) -> KubeConfig:
+    """What lightkube's KubeConfig.from_service_account builds, with the address from ``environ``;
+    the token is read from its file on every request (kubelet-rotated projected tokens)."""
+    host, port = environ["KUBERNETES_SERVICE_HOST"], environ["KUBERNETES_SERVICE_PORT"]
+    host = f"[{host}]" if ":" in host else host
+    return KubeConfig.from_one(
+        cluster=Cluster(server=f"https://{host}:{port}", certificate_auth=str(account / "ca.crt")),
+        user=User(token_file=str(account / "token")),
+        namespace=(account / "namespace").read_text().strip(),
+    )
+
+
+class KubeAPI:
+    """The calls the DRA driver makes. ``close()`` (or ``with``) ends the connection pool."""
+
+    def __init__(self, config: KubeConfig, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not timeout > 0:
+            raise KubeAPIError(f"bad API server timeout {timeout!r}: expected seconds > 0")
+        self.timeout = timeout
+        try:
+            self._client = Client(config, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, trust_env=True)
+            server = self._client.config.cluster.server
+        except (LightkubeConfigError, OSError, ValueError, TypeError) as e:
+            raise KubeAPIError(f"cannot set up the API server client: {one_line(e)}") from e
+        log.info("kube api client server=%s timeout=%s", server, timeout)
+
+    @classmethod
+    def from_environment(cls, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] = os.environ) -> KubeAPI:
+        return cls(load_config(environ), timeout)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> KubeAPI:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        what = f"get ResourceClaim {namespace}/{name}"
+        return self._call(what, lambda: self._client.get(ResourceClaim, name, namespace=namespace).to_dict())
+
+    def get_node_uid(self, name: str) -> str:
+        """metadata.uid of the Node ``name`` (the owner of its ResourceSlices)."""
+        return self._call(f"get Node {name}", lambda: str(self._client.get(Node, name).metadata.uid))
+
+    def list_resource_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
+        """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName)."""
+        fields = {"spec.driver": driver, "spec.nodeName": node}
+        what = f"list ResourceSlices of driver {driver} on node {node}"
+        return self._call(what, lambda: [o.to_dict() for o in self._client.list(ResourceSlice, fields=fields)])
+
+    def create_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        what = f"create ResourceSlice {_name(obj)}"
+        return self._call(what, lambda: self._client.create(ResourceSlice(obj)).to_dict())
+
+    def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Replace (PUT) the slice; its metadata.resourceVersion makes a stale update a 409."""
+        what = f"update ResourceSlice {_name(obj)}"
+        return self._call(what, lambda: self._client.replace(ResourceSlice(obj)).to_dict())
+
+    def delete_resource_slice(self, name: str) -> None:
+        self._call(f"delete ResourceSlice {name}", lambda: self._client.delete(ResourceSlice, name))
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except ApiError as e:
+            code = e.response.status_code if e.response is not None else None
+            reason = getattr(e.status, "reason", None) or "error"
+            raise KubeAPIError(f"{what}: API server answered {code} {reason}: {one_line(e)}", code) from e
+        except httpx2.TimeoutException as e:
+            raise KubeAPIError(f"{what}: no answer from the API server within {self.timeout:g}s") from e
+        except httpx2.HTTPError as e:
+            raise KubeAPIError(f"{what}: cannot reach the API server: {one_line(e) or type(e).__name__}") from e
+        except (LightkubeConfigError, OSError) as e:
+            raise KubeAPIError(f"{what}: {one_line(e) or type(e).__name__}") from e
+        except (ValueError, msgspec.MsgspecError) as e:  # an answer that is not JSON
+            raise KubeAPIError(f"{what}: unreadable answer from the API server: {one_line(e)}") from e
+
+
+def _name(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("name") or (meta.get("generateName", "") + "*"))

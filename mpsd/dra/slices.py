@@ -1,0 +1,202 @@
+"""ResourceSlice objects for a node's GPUs (resource.k8s.io/v1). Pure: GPUs in, JSON dicts out.
+
+Capacity mode: one device per GPU that many claims share (``allowMultipleAllocations``), with
+two consumable capacities and the request policy the scheduler applies to every claim:
+
+- ``memory``: value = the GPU's memory in whole MiB; validRange min 256Mi, step 1Mi, max =
+  the value. Step 1Mi because MPS's pinned memory limit is written in whole MiB (``M``/``G``
+  suffixes): any consumed amount min + n*1Mi is a limit MPS and the shim enforce exactly,
+  and the scheduler rounds a request up to it. Min 256Mi because the limit also counts the
+  CUDA context and library workspaces of each client process: a smaller slice cannot start
+  a CUDA program, so it is refused at scheduling instead of failing in the pod.
+- ``compute``: percent of the GPU's SMs (the MPS active thread percentage): value 100,
+  validRange min 1, step 1, max 100. Whole percents; MPS rounds further down to what the
+  hardware can partition.
+- defaults (what a claim that names no amount consumes): one device plugin slice,
+  ``devicePlugin.slicesPerGpu`` = N: memory floor(MiB/N) (at least the minimum), compute
+  floor(100/N) (at least 1). A claim asking only for memory gets a slice's compute, and the
+  reverse.
+
+Slices mode: N devices per GPU, each allocated whole to one claim, with the slice's memory
+and compute as (fixed) capacities, so ``capacity.requests`` and CEL selectors still pick by size.
+
+GPUs with MIG enabled are left out: MPS runs on whole GPUs here. A pool (named after the node)
+is written as ceil(devices/128) ResourceSlices: the API allows at most 128 devices in one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from decimal import Decimal
+from typing import Any, Protocol
+
+from lightkube.utils.quantity import parse_quantity  # the client's parser of the API's quantities
+
+from . import devices as dv
+
+API_VERSION = "resource.k8s.io/v1"
+MAX_DEVICES_PER_SLICE = 128
+MIB = 1 << 20
+MIN_MEMORY_MIB = 256
+_VERSION_PARTS = re.compile(r"([0-9]+)(?:\.([0-9]+))?(?:\.([0-9]+))?")
+_BINARY = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
+
+Obj = dict[str, Any]
+
+
+class GpuLike(Protocol):
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    compute_capability: tuple[int, int]
+    mig_enabled: bool
+
+
+def semver(text: str) -> str | None:
+    """A driver or compute-capability version as semver 2.0.0 (what a version attribute
+    must be): ``"580.95.05"`` -> ``"580.95.5"``, ``"9.0"`` -> ``"9.0.0"``; None if it is not
+    one to three dot-separated numbers."""
+    match = _VERSION_PARTS.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        return None
+    return ".".join(str(int(part or 0)) for part in match.groups())
+
+
+def quantity(value: int | float | Decimal, binary: bool = False) -> str:
+    """A Kubernetes quantity in canonical form, as the API server stores it: ``17179869184``
+    bytes -> ``16Gi`` (binary), ``25`` -> ``25``, ``33.33`` -> ``33330m``."""
+    number = Decimal(str(value))
+    if binary and number == number.to_integral_value() and number > 0:
+        for suffix, shift in _BINARY:
+            if int(number) % (1 << shift) == 0:
+                return f"{int(number) >> shift}{suffix}"
+    if number == number.to_integral_value():
+        return str(int(number))
+    return f"{int((number * 1000).to_integral_value())}m"
+
+
+def _attributes(gpu: GpuLike, driver_version: str) -> Obj:
+    attrs: Obj = {
+        dv.ATTR_INDEX: {"int": gpu.index},
+        dv.ATTR_UUID: {"string": gpu.uuid[:64]},
+        dv.ATTR_PRODUCT_NAME: {"string": gpu.name[:64]},
+        dv.ATTR_COMPUTE_CAPABILITY: {"version": "{}.{}.0".format(*gpu.compute_capability)},
+        dv.ATTR_MEMORY: {"int": gpu.memory_total},
+        dv.ATTR_MPS: {"bool": True},
+    }
+    version = semver(driver_version)
+    if version is not None:
+        attrs[dv.ATTR_DRIVER_VERSION] = {"version": version}
+    return attrs
+
+
+def _capacity(value: str, default: str, low: str, high: str, step: str) -> Obj:
+    valid_range = {"min": low, "max": high, "step": step}
+    return {"value": value, "requestPolicy": {"default": default, "validRange": valid_range}}
+
+
+def capacity_device(gpu: GpuLike, driver_version: str, slices_per_gpu: int) -> Obj:
+    """The one shared device of a GPU in capacity mode; ValueError for a GPU below the minimum."""
+    mib = gpu.memory_total // MIB
+    if mib <= MIN_MEMORY_MIB:
+        raise ValueError(f"GPU {gpu.index} ({gpu.uuid}) has {mib} MiB: capacity mode needs more than {MIN_MEMORY_MIB}")
+    memory_default = min(mib, max(MIN_MEMORY_MIB, mib // slices_per_gpu))
+    compute_default = max(1, 100 // slices_per_gpu)
+    return {
+        "name": dv.device_name(gpu.index),
+        "attributes": _attributes(gpu, driver_version),
+        "allowMultipleAllocations": True,
+        "capacity": {
+            dv.MEMORY: _capacity(*(quantity(n * MIB, True) for n in (mib, memory_default, MIN_MEMORY_MIB, mib, 1))),
+            dv.COMPUTE: _capacity("100", str(compute_default), "1", "100", "1"),
+        },
+    }
+
+
+def slice_devices(gpu: GpuLike, driver_version: str, slices_per_gpu: int) -> list[Obj]:
+    """The N devices of a GPU in slices mode."""
+    compute = quantity(dv.slice_compute(slices_per_gpu))
+    out = []
+    for k in range(slices_per_gpu):
+        attrs = _attributes(gpu, driver_version)
+        attrs[dv.ATTR_SLICE] = {"int": k}
+        attrs[dv.ATTR_SLICES] = {"int": slices_per_gpu}
+        memory = quantity(dv.slice_memory(gpu.memory_total, slices_per_gpu, k), binary=True)
+        out.append({
+            "name": dv.device_name(gpu.index, k),
+            "attributes": attrs,
+            "capacity": {dv.MEMORY: {"value": memory}, dv.COMPUTE: {"value": compute}},
+        })
+    return out
+
+
+def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, driver_version: str = "") -> list[Obj]:
+    """Every device of the node's pool, GPUs in index order; ValueError for a bad mode or count."""
+    if mode not in dv.MODES:
+        raise ValueError(f"bad dra.mode {mode!r}: expected one of {', '.join(dv.MODES)}")
+    if not 1 <= slices_per_gpu <= 100:
+        raise ValueError(f"bad slicesPerGpu {slices_per_gpu!r}: expected an integer 1..100")
+    out: list[Obj] = []
+    for gpu in sorted((g for g in gpus if not g.mig_enabled), key=lambda g: g.index):
+        if mode == "capacity":
+            out.append(capacity_device(gpu, driver_version, slices_per_gpu))
+        else:
+            out.extend(slice_devices(gpu, driver_version, slices_per_gpu))
+    return out
+
+
+def slice_name_prefix(node: str, driver: str) -> str:
+    """``generateName`` of the node's slices: ``<node>-<driver>-``, cut to leave the API
+    server room for its 5 random characters within a name's 253."""
+    return f"{node}-{driver}"[:240] + "-"
+
+
+def node_owner(node: str, uid: str) -> list[Obj]:
+    """``ownerReferences`` naming the Node: the garbage collector deletes the slices with it."""
+    return [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": True}]
+
+
+def build_slices(devices: list[Obj], driver: str, node: str, generation: int, node_uid: str | None = None) -> list[Obj]:
+    """The pool's ResourceSlices: ceil(len/128) of them (one, empty, for no devices), all with
+    ``generation`` and the count, no names (``generateName``; the publisher reuses names),
+    owned by the Node when its ``node_uid`` is known."""
+    chunks = [devices[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)] or [[]]
+    metadata: Obj = {"generateName": slice_name_prefix(node, driver)}
+    if node_uid:
+        metadata["ownerReferences"] = node_owner(node, node_uid)
+    return [{
+        "apiVersion": API_VERSION,
+        "kind": "ResourceSlice",
+        "metadata": dict(metadata),
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": len(chunks)},
+            "devices": chunk,
+        },
+    } for chunk in chunks]
+
+
+def comparable(devices: list[Obj]) -> list[Obj]:
+    """``devices`` with every quantity as its exact number, so what the API server stored
+    ("16Gi", "17179869184") compares equal to what we would write."""
+    return [{**d, "capacity": {k: _numbers(v) for k, v in (d.get("capacity") or {}).items()}} for d in devices]
+
+
+def _numbers(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _numbers(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_numbers(v) for v in node]
+    if isinstance(node, str):
+        return _parse_quantity(node)
+    return node
+
+
+def _parse_quantity(text: str) -> Decimal | str:
+    try:
+        return parse_quantity(text)
+    except ValueError:
+        return text

@@ -1,0 +1,207 @@
+"""mpsd/dra/kubeapi.py against the stand-in API server: config from KUBECONFIG or the service
+account, the calls the driver makes, and every failure as one KubeAPIError line."""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpsd.dra.kubeapi import KubeAPI, load_config
+from mpsd.errors import KubeAPIError
+from tests.dra.apiserver import StandInAPIServer, write_kubeconfig
+
+CLAIM: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+    "metadata": {"namespace": "team-a", "name": "llm-gpu", "uid": "0b6d6a6e-1111-4d5c-9a43-3a9e4f1c2d01"},
+    "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+        "deviceClassName": "gpu.mpsd.io", "capacity": {"requests": {"memory": "4Gi", "compute": "25"}}}}]}},
+    "status": {"allocation": {"devices": {"results": [{
+        "request": "gpu", "driver": "gpu.mpsd.io", "pool": "node-a", "device": "gpu-0",
+        "shareID": "5d3c0e0a-8a38-4a8e-9c1f-2b7f0b1e9a10",
+        "consumedCapacity": {"memory": "4Gi", "compute": "25"}}]}},
+        "reservedFor": [{"resource": "pods", "name": "llm-0", "uid": "7f3e0c1a-2222-4b7e-8d55-6a1b2c3d4e5f"}]},
+}
+
+
+def slice_obj(node: str = "node-a", driver: str = "gpu.mpsd.io", **device: Any) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"generateName": f"{node}-{driver}-"},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": "gpu-0", **device}]}}
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo[KubeAPIError]) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text and text
+    return text
+
+
+def test_get_resource_claim_returns_the_object_as_sent(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    apiserver.put_claim(CLAIM)
+    with KubeAPI.from_environment(timeout=30) as api:
+        # camelCase keys, and fields newer than the client's models (shareID, consumedCapacity) kept
+        assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
+    assert apiserver.requests == [("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/llm-gpu")]
+
+
+def test_a_missing_claim_is_one_line_with_its_name(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.get_resource_claim("team-a", "gone")
+    assert "ResourceClaim team-a/gone" in one_line_error(excinfo) and "404" in str(excinfo.value)
+    assert excinfo.value.status == 404
+
+
+def test_a_wrong_token_is_refused_in_one_line(apiserver: StandInAPIServer, tmp_path: Path) -> None:
+    config = load_config({"KUBECONFIG": str(write_kubeconfig(tmp_path / "kc", apiserver, token="wrong"))})
+    with KubeAPI(config, timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.get_resource_claim("team-a", "llm-gpu")
+    assert "401" in one_line_error(excinfo) and excinfo.value.status == 401
+
+
+def test_slices_are_listed_by_driver_and_node_on_the_server(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    with KubeAPI.from_environment(timeout=30) as api:
+        mine = api.create_resource_slice(slice_obj())
+        api.create_resource_slice(slice_obj(node="node-b"))
+        api.create_resource_slice(slice_obj(driver="gpu.example.com"))
+        assert api.list_resource_slices("gpu.mpsd.io", "node-a") == [mine]
+    listed = [url for method, url in apiserver.requests if method == "GET"]
+    assert listed == ["/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.driver%3Dgpu.mpsd.io%2C"
+                      "spec.nodeName%3Dnode-a"]
+
+
+def test_update_and_delete_and_a_stale_update_is_a_409(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    with KubeAPI.from_environment(timeout=30) as api:
+        created = api.create_resource_slice(slice_obj())
+        changed = copy.deepcopy(created)
+        changed["spec"]["pool"]["generation"] = 2
+        updated = api.update_resource_slice(changed)
+        assert updated["spec"]["pool"]["generation"] == 2
+        with pytest.raises(KubeAPIError) as excinfo:
+            api.update_resource_slice(changed)  # the resourceVersion it carries is gone
+        assert excinfo.value.status == 409 and "update ResourceSlice" in one_line_error(excinfo)
+        api.delete_resource_slice(created["metadata"]["name"])
+        assert api.list_resource_slices("gpu.mpsd.io", "node-a") == []
+        with pytest.raises(KubeAPIError) as excinfo:
+            api.delete_resource_slice(created["metadata"]["name"])
+        assert excinfo.value.status == 404
+
+
+def test_the_stand_in_refuses_a_field_the_schema_does_not_know(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    # the guarantee every publisher test leans on: an unknown field fails, it is not dropped
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.create_resource_slice(slice_obj(sharedMemory=True))
+    assert excinfo.value.status == 422 and apiserver.slices == {}
+    assert any("sharedMemory" in e for e in apiserver.invalid)
+    apiserver.invalid.clear()
+
+
+def test_the_stand_in_refuses_a_request_policy_the_api_refuses(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    policy = {"default": "300Mi", "validRange": {"min": "256Mi", "step": "100Mi", "max": "1Gi"}}
+    bad = slice_obj(allowMultipleAllocations=True, capacity={"memory": {"value": "1Gi", "requestPolicy": policy}})
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.create_resource_slice(bad)
+    assert excinfo.value.status == 422 and any("min + n*step" in e for e in apiserver.invalid)
+    apiserver.invalid.clear()
+
+
+def test_a_slow_server_is_given_up_on_after_the_timeout(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    apiserver.delay = 60
+    start = time.monotonic()
+    with KubeAPI.from_environment(timeout=0.5) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.get_resource_claim("team-a", "llm-gpu")
+    assert "no answer from the API server within 0.5s" in one_line_error(excinfo)
+    assert time.monotonic() - start < 30  # not the server's 60 s
+    assert excinfo.value.status is None
+
+
+@pytest.mark.parametrize("fault", ["stopped", "refusing"])
+def test_a_server_that_is_down_is_one_line(apiserver: StandInAPIServer, kubeconfig: Path, fault: str) -> None:
+    if fault == "stopped":
+        apiserver.stop()
+    else:
+        apiserver.refuse = True
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.list_resource_slices("gpu.mpsd.io", "node-a")
+    assert "cannot reach the API server" in one_line_error(excinfo)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Any:
+    server = StandInAPIServer(tls_dir=tmp_path)
+    server.start()
+    server.put_claim(CLAIM)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["ca-file", "insecure-skip-tls-verify"])
+def test_https_with_the_ca_or_insecure(tls_server: StandInAPIServer, tmp_path: Path, insecure: bool) -> None:
+    config = load_config({"KUBECONFIG": str(write_kubeconfig(tmp_path / "kc", tls_server, insecure=insecure))})
+    with KubeAPI(config, timeout=30) as api:
+        assert api.get_resource_claim("team-a", "llm-gpu")["metadata"]["uid"] == CLAIM["metadata"]["uid"]
+
+
+def test_https_with_an_unknown_certificate_is_refused(tls_server: StandInAPIServer, tmp_path: Path) -> None:
+    path = write_kubeconfig(tmp_path / "kc", tls_server, trust=False)
+    with KubeAPI(load_config({"KUBECONFIG": str(path)}), timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.get_resource_claim("team-a", "llm-gpu")
+    assert "cannot reach the API server" in one_line_error(excinfo)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(excinfo.value)
+
+
+def service_account(server: StandInAPIServer, account: Path) -> Any:
+    """What the kubelet mounts in a pod (token, namespace, CA) and the service address."""
+    account.mkdir()
+    (account / "token").write_text(server.token)
+    (account / "namespace").write_text("mpsd-system")
+    (account / "ca.crt").write_bytes(server.ca_file.read_bytes())
+    host, port = server.url.removeprefix("https://").split(":")
+    return load_config({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}, str(account))
+
+
+def test_the_service_account_in_a_pod(tls_server: StandInAPIServer, tmp_path: Path) -> None:
+    with KubeAPI(service_account(tls_server, tmp_path / "serviceaccount"), timeout=30) as api:
+        assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, "no API server configuration: KUBECONFIG is not set"),
+    ({"KUBECONFIG": "/nonexistent/kubeconfig"}, "bad KUBECONFIG file '/nonexistent/kubeconfig'"),
+])
+def test_no_or_a_missing_configuration_is_one_line(tmp_path: Path, environ: dict[str, str], expected: str) -> None:
+    with pytest.raises(KubeAPIError) as excinfo:
+        load_config(environ, str(tmp_path / "no-serviceaccount"))
+    assert expected in one_line_error(excinfo)
+
+
+@pytest.mark.parametrize("text", ["{not yaml: [", "- a list\n", "apiVersion: v1\nkind: Config\nclusters: 7\n"])
+def test_a_malformed_kubeconfig_is_one_line(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(text)
+    with pytest.raises(KubeAPIError) as excinfo:
+        KubeAPI(load_config({"KUBECONFIG": str(path)}), timeout=30)
+    assert str(path) in one_line_error(excinfo) or "API server client" in str(excinfo.value)
+
+
+def test_a_service_account_without_the_service_address_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("t")
+    with pytest.raises(KubeAPIError) as excinfo:
+        load_config({}, str(tmp_path))
+    assert "KUBERNETES_SERVICE_HOST" in one_line_error(excinfo)
+
+
+def test_a_rotated_service_account_token_is_read_again(tls_server: StandInAPIServer, tmp_path: Path) -> None:
+    # the kubelet rotates projected tokens in place: each request reads the file
+    account = tmp_path / "serviceaccount"
+    with KubeAPI(service_account(tls_server, account), timeout=30) as api:
+        api.get_resource_claim("team-a", "llm-gpu")
+        tls_server.token = "rotated-token"
+        with pytest.raises(KubeAPIError) as excinfo:
+            api.get_resource_claim("team-a", "llm-gpu")
+        assert excinfo.value.status == 401
+        (account / "token").write_text("rotated-token\n")
+        assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
