@@ -9,7 +9,7 @@ in the daemon's place. mpsd therefore asks the kernel, not the answers:
   listener). Anything but the daemon mpsd started is an impostor.
 - :func:`session_holders` names the processes connected to the daemon's control sockets: the
   daemon's accepted sockets, duplicated with ``pidfd_getfd`` (mpsd's own child), each read
-  with ``SO_PEERCRED``.
+  with ``SO_PEERCRED``, wherever (whichever namespace) the peer is.
 - :func:`mps_client_problem` is the proof asked before mpsd signals a process the daemon
   listed as a client: its environment names this pipe dir and it maps a CUDA driver.
 
@@ -31,7 +31,6 @@ PROBE_TIMEOUT = 1.0  # seconds for one connect()
 READ_LIMIT = 1 << 20  # bytes read of one /proc file (environ, cgroup, comm)
 MAPS_LIMIT = 16 << 20  # bytes of /proc/PID/maps scanned for a CUDA driver
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
-_CONNECTED = 3  # SS_CONNECTED in /proc/net/unix's St column
 
 
 # ---------------------------------------------------------------- pure parsing
@@ -69,17 +68,6 @@ def cgroup_owner(text: str) -> str:
         if words:
             return " ".join(words)
     return ""
-
-
-def connected_inodes(net_unix: str, paths: set[str]) -> set[int]:
-    """Inodes of connected sockets bound to one of ``paths`` in a /proc/net/unix table: the
-    daemon's ends of its front-end sessions (an accepted socket shows its listener's path)."""
-    found = set()
-    for line in net_unix.splitlines()[1:]:
-        cols = line.split()
-        if len(cols) >= 8 and cols[7] in paths and cols[5] == f"{_CONNECTED:02X}" and cols[6].isdigit():
-            found.add(int(cols[6]))
-    return found
 
 
 # ---------------------------------------------------------------- the kernel's view
@@ -145,40 +133,44 @@ def impostor(pipe_dir: str, daemon_pid: int, names: tuple[str, ...] = CONTROL_SO
 
 def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list[int]:
     """PIDs connected to the daemon through its control sockets, from the daemon's own
-    descriptors; [] when none or when they cannot be read."""
+    descriptors: each socket it accepted on one of them (a copy taken with pidfd_getfd) names
+    its peer with SO_PEERCRED. [] when none, or when they cannot be read. (/proc/PID/net/unix
+    would not do: an accepted socket belongs to the network namespace of the one who connected.)"""
     paths = {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}
     try:
-        inodes = connected_inodes(_read(f"{proc}/{daemon_pid}/net/unix", 64 << 20).decode(errors="replace"), paths)
-        fds = _socket_fds(f"{proc}/{daemon_pid}/fd", inodes)
+        fds = _socket_fds(f"{proc}/{daemon_pid}/fd")
         pidfd = os.pidfd_open(daemon_pid)
     except OSError:
         return []
     try:
-        return sorted({pid for fd in fds if (pid := _peer_of(pidfd, fd)) is not None})
+        return sorted({pid for fd in fds if (pid := _session_peer(pidfd, fd, paths)) is not None})
     finally:
         os.close(pidfd)
 
 
-def _socket_fds(fd_dir: str, inodes: set[int]) -> list[int]:
+def _socket_fds(fd_dir: str) -> list[int]:
     fds = []
     for name in os.listdir(fd_dir):
         try:
-            target = os.readlink(os.path.join(fd_dir, name))
-        except OSError:
+            if os.readlink(os.path.join(fd_dir, name)).startswith("socket:"):
+                fds.append(int(name))
+        except (OSError, ValueError):
             continue  # closed meanwhile
-        m = re.fullmatch(r"socket:\[(\d+)\]", target)
-        if m and int(m.group(1)) in inodes:
-            fds.append(int(name))
     return fds
 
 
-def _peer_of(pidfd: int, fd: int) -> int | None:
-    """The PID at the other end of the daemon's descriptor ``fd`` (a copy taken by pidfd_getfd)."""
+def _session_peer(pidfd: int, fd: int, paths: set[str]) -> int | None:
+    """The PID at the other end of the daemon's ``fd`` if it is a session accepted on one of
+    ``paths``; None for anything else (a listener, another socket, one closed meanwhile)."""
     dup = ctypes.CDLL(None, use_errno=True).syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
     if dup < 0:
         return None  # closed meanwhile, or no pidfd_getfd (Linux < 5.6)
     sock = socket.socket(fileno=dup)  # owns the copy
     try:
+        if sock.family != socket.AF_UNIX or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return None
+        if sock.getsockname() not in paths:  # an accepted socket has its listener's address
+            return None
         pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError:
         return None

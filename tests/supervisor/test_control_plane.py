@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from mpsd.control import Control
 from mpsd.metrics import Metrics
 from mpsd.node import InventoryPump, _observer, _ready
 from mpsd.status import collect_status, render_status
+from tests.container import HOST_LIBS, Mount
 from tests.supervisor.conftest import FrontEndHolder
 from tests.supervisor.test_client_view import NOBODY, as_nobody, http_get
 from tests.supervisor.test_control_real import NoGpus
@@ -248,3 +250,39 @@ def test_mpsd_run_reports_a_held_session_and_restored_defaults_over_http(mps_con
 
 def metric(text: str, name: str) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_session_held_from_a_container_is_named_with_the_container(make_config, run_supervisor, podman, mps_control):
+    # The real front-end in a podman container (the pipe dir mounted read-only, as pods get it)
+    # connects and waits on its stdin: /readyz names the PID and the container from its cgroup.
+    config = make_config(**{"health-timeout": "1s", "verdict-timeout": "2s"})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured, what="configured")
+    pid = r.sup.status().pid
+    front_end = "/usr/local/bin/nvidia-cuda-mps-control"
+    release = Path(config.state_dir) / "release"
+    release.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(release)
+    mounts = [Mount(config.pipe_dir, config.pipe_dir), *HOST_LIBS, Mount(mps_control, front_end),
+              Mount(str(release.parent), "/hold")]
+    run = threading.Thread(
+        target=podman.run,
+        args=(["sh", "-c", f"cat /hold/release | {front_end}"],),
+        kwargs={"mounts": mounts, "env": {"CUDA_MPS_PIPE_DIRECTORY": config.pipe_dir}, "user": "1000", "timeout": 120},
+        daemon=True,
+    )
+    run.start()
+    writer = None
+    try:
+        writer = open(release, "w")  # noqa: SIM115 (closed below: that releases the session)
+        wait_until(lambda: not _ready(r.board)[0], timeout=90, what="not ready while held from the container")
+        reason = _ready(r.board)[1]
+        ids = podman.podman("ps", "--quiet", "--no-trunc").stdout.split()
+        assert ids and f"container {ids[0][:12]}" in reason, reason
+        assert r.sup.status().pid == pid
+    finally:
+        if writer is not None:
+            writer.close()
+        run.join(120)
+    wait_until(lambda: _ready(r.board)[0], what="ready again once the container's session ended")
+    assert r.sup.status().pid == pid and r.sup.status().restarts == 0

@@ -67,22 +67,6 @@ def test_cgroup_owner(cgroup, expected):
     assert peer.cgroup_owner(cgroup) == expected
 
 
-NET_UNIX = """Num       RefCount Protocol Flags    Type St Inode Path
-0000000013fd6add: 00000003 00000000 00000000 0005 03 52756 /p/control
-00000000ee2e9909: 00000002 00000000 00010000 0005 01 20038 /p/control_privileged
-00000000782aa066: 00000002 00000000 00010000 0005 01 20039 /p/control
-0000000013fd6ade: 00000003 00000000 00000000 0005 03 52757 /p/control_privileged
-0000000013fd6adf: 00000003 00000000 00000000 0005 03 52758 /other/control
-0000000013fd6ae0: 00000003 00000000 00000000 0005 03 52759
-"""
-
-
-def test_connected_inodes_are_the_daemons_ends_of_sessions_on_its_control_sockets():
-    paths = {"/p/control", "/p/control_privileged"}
-    assert peer.connected_inodes(NET_UNIX, paths) == {52756, 52757}
-    assert peer.connected_inodes("", paths) == set()
-
-
 def test_listener_pid_is_the_process_that_listens_not_the_one_that_named_the_socket(tmp_path):
     path = str(tmp_path / "control")
     code = (
