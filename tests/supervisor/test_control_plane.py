@@ -252,22 +252,37 @@ def metric(text: str, name: str) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_a_session_held_from_a_container_is_named_with_the_container(make_config, run_supervisor, podman, mps_control):
-    # The real front-end in a podman container (the pipe dir mounted read-only, as pods get it)
-    # connects and waits on its stdin: /readyz names the PID and the container from its cgroup.
+@pytest.fixture(scope="module")
+def silent_holder(tmp_path_factory) -> Path:
+    exe = tmp_path_factory.mktemp("holder") / "silent_holder"
+    source = Path(__file__).with_name("silent_holder.c")
+    subprocess.run(["cc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", str(source), "-o", str(exe)], check=True)
+    return exe
+
+
+@pytest.mark.parametrize("kind", ["front-end", "silent-socket"])
+def test_a_session_held_from_a_container_is_named_with_the_container(
+    make_config, run_supervisor, podman, mps_control, silent_holder, kind
+):
+    # A pod's process (a podman container: its own network and PID namespaces, the pipe dir
+    # mounted read-only as pods get it) holds the daemon's session: the real front-end waiting
+    # on its stdin, or a socket that connects and sends nothing. The daemon is not killed, and
+    # /readyz names the PID and the container from its cgroup.
     config = make_config(**{"health-timeout": "1s", "verdict-timeout": "2s"})
     r = run_supervisor(config)
     r.wait_for(lambda s: s.configured, what="configured")
     pid = r.sup.status().pid
-    front_end = "/usr/local/bin/nvidia-cuda-mps-control"
+    exe = "/usr/local/bin/holder"
     release = Path(config.state_dir) / "release"
     release.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(release)
-    mounts = [Mount(config.pipe_dir, config.pipe_dir), *HOST_LIBS, Mount(mps_control, front_end),
-              Mount(str(release.parent), "/hold")]
+    binary = mps_control if kind == "front-end" else silent_holder
+    command = exe if kind == "front-end" else f"{exe} {config.pipe_dir}/control"
+    mounts = [Mount(config.pipe_dir, config.pipe_dir), *HOST_LIBS, Mount(binary, exe)]
+    mounts.append(Mount(str(release.parent), "/hold"))
     run = threading.Thread(
         target=podman.run,
-        args=(["sh", "-c", f"cat /hold/release | {front_end}"],),
+        args=(["sh", "-c", f"cat /hold/release | {command}"],),
         kwargs={"mounts": mounts, "env": {"CUDA_MPS_PIPE_DIRECTORY": config.pipe_dir}, "user": "1000", "timeout": 120},
         daemon=True,
     )
@@ -279,7 +294,8 @@ def test_a_session_held_from_a_container_is_named_with_the_container(make_config
         reason = _ready(r.board)[1]
         ids = podman.podman("ps", "--quiet", "--no-trunc").stdout.split()
         assert ids and f"container {ids[0][:12]}" in reason, reason
-        assert r.sup.status().pid == pid
+        time.sleep(3 * config.health_timeout)  # more checks while it is held: still not killed
+        assert r.sup.status().pid == pid and r.sup.status().restarts == 0
     finally:
         if writer is not None:
             writer.close()
