@@ -225,6 +225,8 @@ SETTINGS: tuple[Setting, ...] = (
             "time between health checks of the daemon"),
     Setting("healthTimeout", "health-timeout", _positive_duration, "3s",
             "a control command without answer in this time means the daemon hangs"),
+    Setting("verdictTimeout", "verdict-timeout", _positive_duration, "30s",
+            "/readyz fails once health checks were inconclusive this long (a held control session)"),
     Setting("restartBackoffInitial", "restart-backoff-initial", _positive_duration, "0.2s",
             "wait before the first restart; doubles with every failure in a row"),
     Setting("restartBackoffMax", "restart-backoff-max", _positive_duration, "30s",
@@ -321,6 +323,7 @@ class Config:
     nvidia_smi: str
     health_interval: float
     health_timeout: float
+    verdict_timeout: float
     restart_backoff_initial: float
     restart_backoff_max: float
     shutdown_timeout: float

@@ -24,6 +24,11 @@ class ControlBusy(ControlError):
     daemon is alive: it answered with a refusal."""
 
 
+class ControlImpostor(ControlError):
+    """A control socket in the pipe dir is served by another process than the daemon mpsd
+    started (something renamed its own socket over it): nothing it answers is acted on."""
+
+
 class DaemonNotRunning(ControlError):
     """No control daemon answers on the pipe directory."""
 

@@ -13,7 +13,9 @@ their orchestrator); ``terminate`` ends them so the server can recover:
    for every client the daemon lists for it (NVIDIA's supported way: the client's GPU work is
    ended, it gets CUDA_ERROR_MPS_CLIENT_TERMINATED);
 2. at the first health check ``grace`` seconds later, every client still listed is SIGKILLed,
-   through a pidfd opened before the list is read again, so a PID reused meanwhile is never hit.
+   through a pidfd opened before the list is read again, so a PID reused meanwhile is never hit,
+   and only once ``is_client`` shows it is an MPS client of this pipe dir (mpsd.peer): a list
+   is the daemon's word, and the pipe dir's sockets can be replaced by a pod's.
 
 A daemon without ``terminate_client`` (it answers "Unknown command") turns the policy into
 ``report``, said once in one line. Every step is logged; the counts per method are kept for
@@ -27,6 +29,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .control import CommandRejected, Control, UnexpectedOutput, UnknownCommand
 from .errors import ControlBusy, ControlError, ControlTimeout
@@ -47,8 +50,11 @@ class _Ending:
 
 
 class FaultHandler:
-    def __init__(self, grace: float, protected: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, grace: float, protected: tuple[int, ...] = (), is_client: Callable[[int], str] = lambda pid: ""
+    ) -> None:
         self.grace = grace  # seconds between terminate_client and SIGKILL
+        self.is_client = is_client  # "" if the PID is shown to be an MPS client, else why not
         self.protected = {0, 1, os.getpid(), *protected}  # never signalled
         self.counts: dict[str, int] = {}
         self.unsupported = ""  # the one-line reason once terminate_client proved missing
@@ -160,6 +166,10 @@ class FaultHandler:
             return False
         try:
             if pid not in control.get_client_list(server):
+                return False
+            problem = self.is_client(pid)
+            if problem:
+                log.error("fault policy: client=%d of server=%d not killed: no MPS client: %s", pid, server, problem)
                 return False
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:

@@ -16,6 +16,7 @@ class HealthState:
     configured: bool = False  # defaults applied and read back since the last (re)start
     faulted_gpus: frozenset[int] = field(default_factory=frozenset)  # GPU indices with a server in FAULT
     last_error: str = ""
+    unverified: str = ""  # why there has been no health verdict for verdictTimeout ("" when there was one)
     generation: int = 0
 
     def gpu_healthy(self, index: int) -> bool:
@@ -35,7 +36,8 @@ class HealthBoard:
         """Replace the given fields; wakes waiters only if something changed."""
         with self._cond:
             old = self._state
-            fields = {k: getattr(old, k) for k in ("daemon_up", "configured", "faulted_gpus", "last_error")}
+            names = ("daemon_up", "configured", "faulted_gpus", "last_error", "unverified")
+            fields = {k: getattr(old, k) for k in names}
             fields.update(changes)
             fields["faulted_gpus"] = frozenset(fields["faulted_gpus"])
             if all(fields[k] == getattr(old, k) for k in fields):

@@ -122,6 +122,22 @@ class Metrics:
         for method in ("terminate_client", "sigkill"):  # exported from the start, at 0
             self.fault_terminations.labels(method)
         self._terminations_seen: dict[str, int] = {}
+        self.control_impostors = Counter(
+            "mpsd_control_impostors",
+            "Control sockets found served by another process than mpsd's daemon (the daemon is restarted)",
+            registry=r,
+        )
+        self.defaults_restored = Counter(
+            "mpsd_defaults_restored",
+            "Health checks that found the daemon's defaults changed (any UID can set them) and put them back",
+            registry=r,
+        )
+        self.verdict_age = Gauge(
+            "mpsd_health_verdict_age_seconds",
+            "Seconds since the last conclusive health check (grows while a held control session blinds it)",
+            registry=r,
+        )
+        self._control_seen = (0, 0)  # (impostors, defaults restored) of the previous snapshot
         self.allocation_used = Gauge(
             "mpsd_allocation_memory_used_bytes",
             "Device memory used by one device-plugin allocation (shim accounting)",
@@ -247,6 +263,17 @@ class Metrics:
             self.set_last_error(last_error)
         self.set_mps_servers({"all": servers} if isinstance(servers, int) else servers)
         self.set_config_generation(config_generation)
+
+    def set_control_plane(self, impostors: int, defaults_restored: int, verdict_age: float) -> None:
+        """Running totals from the supervisor: the counters advance by the difference."""
+        with self._lock:
+            seen_impostors, seen_restored = self._control_seen
+            self._control_seen = (max(impostors, seen_impostors), max(defaults_restored, seen_restored))
+        if impostors > seen_impostors:
+            self.control_impostors.inc(impostors - seen_impostors)
+        if defaults_restored > seen_restored:
+            self.defaults_restored.inc(defaults_restored - seen_restored)
+        self.verdict_age.set(verdict_age)
 
     def set_fault_terminations(self, totals: Mapping[str, int]) -> None:
         """Running totals per method (terminate_client, sigkill): each counter advances by the

@@ -143,6 +143,7 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
             )
             metrics.set_faulted_servers(sum(state == "FAULT" for state in status.server_states.values()))
             metrics.set_fault_terminations(status.fault_terminations)
+            metrics.set_control_plane(status.impostors, status.defaults_restored, status.verdict_age)
         pump.request()  # also when down: the device health series follows the board
 
     return observe
@@ -222,7 +223,7 @@ def _ready(board: HealthBoard, *plugins: PluginRun | None) -> tuple[bool, str]:
         if plugin is not None and plugin.problem:
             return False, plugin.problem
     if state.daemon_up and state.configured:
-        return True, ""
+        return (False, state.unverified) if state.unverified else (True, "")
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
 
 

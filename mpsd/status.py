@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from . import config as cfg
+from . import drift
 from .control import Control, PsEntry
 from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError, MpsdError, printable
 from .node import LOG_FORMAT, open_inventory
@@ -26,6 +27,7 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
         "daemon": "down",
         "error": "",
         "settings": {},
+        "settingsDrift": [],  # how the daemon's defaults differ from the config (any UID can set them)
         "servers": [],
         "gpus": [],
         "clients": [],
@@ -38,6 +40,7 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
             limits[str(device)] = control.get_default_device_pinned_mem_limit(device)
         out["settings"]["pinnedMemLimit"] = limits
         out["settings"]["clientPriority"] = control.get_default_client_priority()
+        out["settingsDrift"] = _drift(config, out["settings"])
         ps: list[PsEntry] = control.ps()
         for server in control.get_server_list():
             out["servers"].append({"pid": server, "clients": control.get_client_list(server)})
@@ -98,6 +101,12 @@ def _render_claims(claims: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _drift(config: cfg.Config, settings: dict[str, Any]) -> list[str]:
+    limits = {int(d): v for d, v in settings["pinnedMemLimit"].items() if d.isdigit()}
+    got = drift.Defaults(settings["activeThreadPercentage"], limits, settings["clientPriority"])
+    return drift.differences(drift.expected(config, set()), got)
+
+
 def render_status(data: dict[str, Any]) -> str:
     lines = [
         f"daemon: {data['daemon']}  pipe dir: {data['pipeDir']}"
@@ -113,6 +122,8 @@ def render_status(data: dict[str, Any]) -> str:
             f"defaults: active threads {s.get('activeThreadPercentage')}%  pinned limit {limits}  "
             f"client priority {s.get('clientPriority')}"
         )
+    if data.get("settingsDrift"):
+        lines.append(f"defaults NOT as configured (mpsd run restores them): {'; '.join(data['settingsDrift'])}")
     for g in data["gpus"]:
         lines.append(
             f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB"

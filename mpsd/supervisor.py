@@ -18,67 +18,28 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from . import dirs
+from . import dirs, drift, peer
 from .computemode import ComputeMode
-from .config import BY_KEY, Config, changed_keys
+from .config import Config
 from .control import ConfigureError, Control, apply_defaults, limit_early_servers
 from .daemon import DaemonProcess
-from .errors import ConfigError, ControlBusy, ControlError, ControlTimeout, SetupError
+from .errors import ConfigError, ControlBusy, ControlError, ControlImpostor, ControlTimeout, SetupError
 from .faults import FaultHandler
 from .health import HealthBoard
+from .reload import DEFAULT_KEYS, _early_reloads, hold_reloads, merge_live  # noqa: F401 (hold_reloads: mpsd.cli)
+from .snapshot import Status
 from .units import format_limits
 
 log = logging.getLogger(__name__)
 
 HUNG_AFTER = 2  # health checks in a row with no answer within healthTimeout before a daemon is killed
 
-# SIGHUPs that came between hold_reloads() and install_signal_handlers(): NVML's init alone can
-# take seconds on a node, and SIGHUP's default action would have killed mpsd (a `systemctl reload`
-# right after a start). Appending to a list is safe in a Python signal handler.
-_early_reloads: list[int] = []
-
-
-def hold_reloads() -> None:
-    """From now on a SIGHUP is remembered, not fatal; install_signal_handlers() acts on it.
-    Call it first thing in ``mpsd run`` (main thread only)."""
-    signal.signal(signal.SIGHUP, lambda signum, _frame: _early_reloads.append(signum))
-
-LIVE_KEYS = frozenset(
-    {
-        "activeThreadPercentage",
-        "pinnedMemLimit",
-        "clientPriority",
-        "healthInterval",
-        "healthTimeout",
-        "restartBackoffInitial",
-        "restartBackoffMax",
-        "shutdownTimeout",
-        "logLevel",
-        "faultPolicy",
-    }
-)
 READY_POLL = 0.02
-
-
-@dataclass(frozen=True)
-class Status:
-    """A snapshot for metrics and tests."""
-
-    state: str = "starting"  # starting | running | backoff | stopping | stopped
-    pid: int | None = None
-    restarts: int = 0  # daemons started after the first
-    failures_in_row: int = 0
-    health_latency: float | None = None  # seconds of the last health round-trip
-    health_checks: int = 0  # periodic checks passed since mpsd started
-    servers: tuple[int, ...] = ()
-    server_states: dict[int, str] = field(default_factory=dict)
-    last_error: str = ""
-    config_generation: int = 1
-    fault_terminations: dict[str, int] = field(default_factory=dict)  # clients ended by faultPolicy, by method
 
 
 def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float:
@@ -96,7 +57,7 @@ class Supervisor:
         gpu_indices: Callable[[], list[int]] = list,
         on_status: Callable[[Status], None] | None = None,
     ) -> None:
-        self.config = config
+        self.config = c = config
         self.board = board
         self._reload = reload
         self._gpu_indices = gpu_indices
@@ -111,7 +72,8 @@ class Supervisor:
         self._applied = config  # the config whose defaults the running daemon has
         self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
         self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
-        self._faults = FaultHandler(grace=config.health_timeout)
+        self._faults = FaultHandler(c.health_timeout, is_client=partial(peer.mps_client_problem, pipe_dir=c.pipe_dir))
+        self._verdict_at = time.monotonic()  # the last conclusive health check (or start)
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
         )
@@ -208,6 +170,7 @@ class Supervisor:
         self._faults.reset()
         try:
             self._wait_listening(self._daemon)
+            self._refuse_impostor(self._daemon)
             apply_defaults(self.control(), self.config)
             limit_early_servers(self.control(), self.config)
         except (ControlError, ConfigureError) as exc:
@@ -216,8 +179,8 @@ class Supervisor:
             daemon.wait(5.0)
             self._failed(f"daemon pid={daemon.pid} did not come up configured: {exc}")
             return
-        self._applied, self._defaults_stale = self.config, False
-        self.board.update(daemon_up=True, configured=True, last_error="")
+        self._applied, self._defaults_stale, self._verdict_at = self.config, False, time.monotonic()
+        self.board.update(daemon_up=True, configured=True, last_error="", unverified="")
         self._publish(state="running", pid=self._daemon.pid, last_error="")
         self._next_at = time.monotonic() + self.config.health_interval
         log.info(
@@ -265,7 +228,7 @@ class Supervisor:
             log.error("%s", message)
         else:
             log.warning("%s; restarting in %.1fs", message, delay)
-        self.board.update(daemon_up=False, configured=False, last_error=message)
+        self.board.update(daemon_up=False, configured=False, last_error=message, unverified="")
         self._publish(
             state="backoff", pid=None, failures_in_row=failures, last_error=message, servers=(), server_states={}
         )
@@ -282,11 +245,16 @@ class Supervisor:
         if unreachable:  # a restart makes the daemon create it again
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {unreachable}")
             return
+        devices = set(range(len(self._gpu_indices())))  # the daemon's ordinals (CUDA_VISIBLE_DEVICES renumbers)
         try:
-            control.get_default_active_thread_percentage()
+            self._refuse_impostor(daemon)
+            defaults = drift.read(control, self._applied, devices)
             servers = control.get_server_list()
             states = self._faults.server_states(control, servers)
+            self._refuse_impostor(daemon, ("control_privileged",))  # what mpsd read came from its daemon
         except ControlTimeout as exc:
+            if holders := peer.session_holders(daemon.pid, self.config.pipe_dir):  # it waits on them: not hung
+                return self._inconclusive(daemon, exc, holders)
             silent = self._silent_checks[1] + 1 if self._silent_checks[0] == daemon.pid else 1
             self._silent_checks = (daemon.pid, silent)
             if silent >= HUNG_AFTER:
@@ -298,17 +266,13 @@ class Supervisor:
             self._next_at = time.monotonic()
             return
         except ControlBusy as exc:  # it refused us, so it runs: no reason to kill it and its clients
-            self._silent_checks = (daemon.pid, 0)
-            log.warning("health check of daemon pid=%d inconclusive: %s", daemon.pid, exc)
-            self._publish(last_error=str(exc))
-            self._next_at = time.monotonic() + self.config.health_interval
-            return
+            return self._inconclusive(daemon, exc, peer.session_holders(daemon.pid, self.config.pipe_dir))
         except ControlError as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {exc}")
             return
-        self._silent_checks = (daemon.pid, 0)
+        self._silent_checks, self._verdict_at = (daemon.pid, 0), time.monotonic()
         latency = time.monotonic() - began
-        pending = self._apply_reloaded_defaults() if self._defaults_stale else ""
+        pending = self._apply_reloaded_defaults() if self._defaults_stale else self._restore_defaults(defaults, devices)
         if pending is None:
             return  # retired
         faulted = [pid for pid, state in states.items() if state == "FAULT"]
@@ -320,8 +284,9 @@ class Supervisor:
         if action:
             error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
-        self.board.update(faulted_gpus=gpus, last_error=error)
+        self.board.update(faulted_gpus=gpus, last_error=error, unverified="")
         self._publish(
+            verdict_age=0.0,
             fault_terminations=dict(self._faults.counts),
             state="running",
             failures_in_row=0,
@@ -332,6 +297,40 @@ class Supervisor:
             last_error=error,
         )
         self._next_at = time.monotonic() + self.config.health_interval
+
+    def _refuse_impostor(self, daemon: DaemonProcess, names: tuple[str, ...] = peer.CONTROL_SOCKETS) -> None:
+        """ControlImpostor (counted) if a control socket is served by another process than ``daemon``."""
+        found = peer.impostor(self.config.pipe_dir, daemon.pid, names)
+        if found:
+            self._publish(impostors=self.status().impostors + 1)
+            raise ControlImpostor(f"control socket impostor: {found}; the daemon is restarted to take its sockets back")
+
+    def _inconclusive(self, daemon: DaemonProcess, exc: ControlError, holders: list[int]) -> None:
+        """No verdict: another front-end holds the daemon. It is not killed (that would hand the
+        holder a lever on every client); past verdictTimeout /readyz says so (docs/operations.md)."""
+        self._silent_checks, age = (daemon.pid, 0), time.monotonic() - self._verdict_at
+        who = peer.describe_all(holders)
+        log.warning("health check of daemon pid=%d inconclusive: %s; held by %s", daemon.pid, exc, who)
+        self._publish(last_error=f"{exc}; held by {who}", verdict_age=age)  # the metric before /readyz
+        if age >= self.config.verdict_timeout:
+            self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
+        self._next_at = time.monotonic() + self.config.health_interval
+
+    def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str | None:
+        """Put back defaults changed through ``control``: "" when done (or none), None if retired."""
+        changed = drift.differences(drift.expected(self._applied, devices), got)
+        if not changed:
+            return ""
+        try:
+            drift.restore(self.control(), self._applied, devices)
+        except ControlBusy as exc:
+            return f"daemon defaults changed ({'; '.join(changed)}), not restored yet: {exc}"
+        except (ControlError, ConfigureError) as exc:
+            self._retire(self._daemon, f"restoring changed defaults failed: {exc}")  # type: ignore[arg-type]
+            return None
+        log.error("daemon defaults changed behind mpsd (%s): restored to the config's", "; ".join(changed))
+        self._publish(defaults_restored=self.status().defaults_restored + 1)
+        return ""
 
     def _retire(self, daemon: DaemonProcess, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
@@ -354,20 +353,15 @@ class Supervisor:
             log.error("reload failed, keeping the running config: %s", exc)
             self.board.update(last_error=f"reload failed: {exc}")
             return
-        changed = changed_keys(self.config, new)
-        later = [k for k in changed if k not in LIVE_KEYS]
+        merged, live, later = merge_live(self.config, new)
         for key in later:
             log.warning("reload key=%s changed: applies only after mpsd restarts", key)
-        live = {k for k in changed if k in LIVE_KEYS}
-        merged = self.config
-        for key in live:
-            merged = _set_key(merged, key, new.get(key))
         self.config = merged
         if "logLevel" in live:
             logging.getLogger().setLevel(merged.log_level.upper())
         self._publish(config_generation=self.status().config_generation + 1)
         log.info("reloaded applied=%s deferred=%s", ",".join(sorted(live)) or "-", ",".join(later) or "-")
-        if live & {"activeThreadPercentage", "pinnedMemLimit", "clientPriority"} and self._daemon is not None:
+        if live & DEFAULT_KEYS and self._daemon is not None:
             self._defaults_stale = True
             self._apply_reloaded_defaults()
 
@@ -409,6 +403,3 @@ class Supervisor:
         self.board.update(daemon_up=False, configured=False)
         self._publish(state="stopped", pid=None)
 
-
-def _set_key(config: Config, key: str, value) -> Config:
-    return replace(config, **{BY_KEY[key].attr: value})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -88,6 +89,17 @@ class Running:
         self.sup.stop()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "supervisor did not stop"
+
+
+@pytest.fixture
+def procs():
+    """Processes a test starts: killed (if still running) and reaped at teardown."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 @pytest.fixture

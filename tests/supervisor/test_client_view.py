@@ -102,17 +102,22 @@ def test_the_control_log_survives_a_full_disk_and_resumes(make_config, small_tmp
     assert not errors, [f"{e.thread.name}: {e.exc_type.__name__}: {e.exc_value}" for e in errors]
 
 
-def readyz(port: int) -> tuple[int, str]:
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET ``path`` on mpsd's metrics address; (0, "") while nothing listens."""
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
     except OSError:
         return 0, ""
+
+
+def readyz(port: int) -> tuple[int, str]:
+    return http_get(port, "/readyz")
 
 
 def test_mpsd_run_is_not_ready_while_the_control_socket_is_missing(mps_control, mps_dirs):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,16 +24,21 @@ pytestmark = pytest.mark.mps_binary
 SERVER = 4242
 
 
-def client(cooperative: bool) -> subprocess.Popen:
+def client(cooperative: bool, pipe_dir: str | None = None, libcuda: Path | None = None) -> subprocess.Popen:
     """A stand-in MPS client: a cooperative one exits when its work is terminated (SIGUSR1
-    here), a stuck one ignores it and stays until killed."""
+    here), a stuck one ignores it and stays until killed. With ``pipe_dir`` and ``libcuda``
+    it is one mpsd can show to be an MPS client (mpsd.peer): that pipe dir in its environment,
+    a CUDA driver (the fake one) mapped."""
     code = (
-        "import signal, sys, time\n"
+        "import ctypes, signal, sys, time\n"
+        f"{'ctypes.CDLL(sys.argv[1])' if libcuda else 'pass'}\n"
         f"signal.signal(signal.SIGUSR1, {'lambda *_: sys.exit(0)' if cooperative else 'signal.SIG_IGN'})\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir) if pipe_dir else None
+    argv = [sys.executable, "-c", code] + ([str(libcuda)] if libcuda else [])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline() == "ready\n"
     return proc
 
@@ -67,24 +73,20 @@ def fault(monkeypatch, r, clients, sent, state="FAULT"):
 
 
 @pytest.fixture
-def clients():
-    started: list[subprocess.Popen] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+def clients(procs):
+    return procs
 
 
 def test_terminate_ends_every_client_of_the_faulted_server_then_kills_the_rest(
-    make_config, run_supervisor, monkeypatch, clients
+    make_config, run_supervisor, monkeypatch, clients, fake_cuda_dir
 ):
     metrics = Metrics()
     config = make_config(**{"fault-policy": "terminate", "health-interval": "0.3s", "health-timeout": "1s"})
     pump = InventoryPump(None, metrics, None)
     r = run_supervisor(config, gpu_indices=lambda: [0, 1], on_status=_observer(metrics, pump))
     r.wait_for(lambda s: s.configured)
-    clients += [client(cooperative=True), client(cooperative=False)]
+    libcuda = fake_cuda_dir / "libcuda.so.1"
+    clients += [client(True, config.pipe_dir, libcuda), client(False, config.pipe_dir, libcuda)]
     ended, stuck = clients
     sent: list = []
     real = fault(monkeypatch, r, clients, sent)
@@ -165,3 +167,28 @@ def test_terminate_set_by_a_reload_acts_on_a_server_already_in_fault(make_config
     monkeypatch.setattr(r.sup, "control", real)  # the server exits with its last client
     state = r.wait_for(lambda s: not s.faulted_gpus, what="healthy once the server is gone")
     assert state.gpu_healthy(0) and state.last_error == "" and r.sup.status().servers == ()
+
+
+@pytest.mark.parametrize(
+    "unproven",
+    [{"pipe_dir": None, "libcuda": True}, {"pipe_dir": "/tmp/another-pipe-dir", "libcuda": True}, {"libcuda": False}],
+    ids=["no-pipe-dir-env", "another-pipe-dir", "no-cuda-driver"],
+)
+def test_terminate_kills_only_processes_shown_to_be_mps_clients(
+    make_config, run_supervisor, monkeypatch, clients, fake_cuda_dir, unproven, caplog
+):
+    # A client list is the daemon's word (and the pipe dir's sockets are a pod's to replace):
+    # SIGKILL only reaches a process whose environment names this pipe dir and that maps a driver.
+    config = make_config(**{"fault-policy": "terminate", "health-timeout": "1s"})
+    r = run_supervisor(config, gpu_indices=lambda: [0])
+    r.wait_for(lambda s: s.configured)
+    libcuda = fake_cuda_dir / "libcuda.so.1"
+    proven = client(False, config.pipe_dir, libcuda)
+    other = client(False, unproven.get("pipe_dir", config.pipe_dir), libcuda if unproven["libcuda"] else None)
+    clients += [proven, other]
+    fault(monkeypatch, r, clients, [])
+    wait_until(lambda: proven.poll() is not None, what="the proven client killed")
+    assert proven.returncode == -signal.SIGKILL
+    wait_until(lambda: f"client={other.pid} of server={SERVER} not killed" in caplog.text, what="the refusal logged")
+    assert other.poll() is None
+    assert r.sup.status().fault_terminations.get("sigkill") == 1

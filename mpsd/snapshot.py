@@ -1,0 +1,25 @@
+"""The supervisor's state as one immutable snapshot, for metrics, probes and tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Status:
+    """A snapshot for metrics and tests."""
+
+    state: str = "starting"  # starting | running | backoff | stopping | stopped
+    pid: int | None = None
+    restarts: int = 0  # daemons started after the first
+    failures_in_row: int = 0
+    health_latency: float | None = None  # seconds of the last health round-trip
+    health_checks: int = 0  # periodic checks passed since mpsd started
+    servers: tuple[int, ...] = ()
+    server_states: dict[int, str] = field(default_factory=dict)
+    last_error: str = ""
+    config_generation: int = 1
+    fault_terminations: dict[str, int] = field(default_factory=dict)  # clients ended by faultPolicy, by method
+    impostors: int = 0  # control sockets found served by another process than the daemon
+    defaults_restored: int = 0  # health checks that found the daemon's defaults changed and put them back
+    verdict_age: float = 0.0  # seconds since the last conclusive health check, as of the last one
