@@ -95,7 +95,7 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
 
 /* --- The file (layout version 2; bump MS_LAYOUT_VERSION on any change) ---
  * A header, per-device totals, then MS_SLOTS process slots of MS_LANES lanes each; the whole
- * file is sizeof(ms_hdr) bytes. The crash-consistency argument is at the top of region.c.
+ * file is sizeof(ms_hdr) bytes. The crash-consistency argument is at the top of region_ops.h.
  *  - used[d] is a 16-byte word {bytes in use, tag of the operation that last changed it},
  *    changed only by a 16-byte compare-and-swap.
  *  - A slot belongs to one process: its owner holds an OFD write lock on the slot's first byte

@@ -1,4 +1,4 @@
-"""csrc/region.c: container-wide accounting across threads and real processes.
+"""csrc/region_*.c: container-wide accounting across threads and real processes.
 
 Drivers come in several builds (tests/core/Makefile): plain, `_san` under ASan+UBSan (which also
 pauses between a charge's compare-and-swap and its fold, widening the window a SIGKILL must hit),
@@ -248,7 +248,7 @@ def test_sigkill_of_a_holder_gives_its_charges_back(repl: Repl, tmp_path: Path) 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sigkill_inside_charge_and_uncharge(core_bin: Path, repl: Repl, tmp_path: Path, variant: str) -> None:
     """Four threads loop in charge/uncharge when SIGKILL lands; the survivor resolves what the dead
-    threads left in flight (region.c's crash-consistency argument) and can then charge exactly the
+    threads left in flight (region_ops.h's crash-consistency argument) and can then charge exactly the
     whole cap, no more."""
     path = tmp_path / "region"
     cap = 1 << 20

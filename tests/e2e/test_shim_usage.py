@@ -1,5 +1,5 @@
 """shim.usage() and `python -m shim` on real region files, written by the real core
-(csrc/region.c, region_open.c) from helper processes, read through libmpsshim.so's mpsshim_usage."""
+(csrc/region_*.c) from helper processes, read through libmpsshim.so's mpsshim_usage."""
 from __future__ import annotations
 
 import json
