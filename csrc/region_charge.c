@@ -80,6 +80,7 @@ int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return MS_ERROR;
     if (!ms_bound(r) && ms_rebind(r) != 0) return MS_ERROR;
     ms_hdr *h = r->hdr;
+    if (!ms_intact(h)) return MS_ERROR; /* shrunk (region_guard.c) or zeroed under us */
     if (ms_ld(&h->cap[dev]) != cap) ms_st(&h->cap[dev], cap);
     ms_word *w = &h->used[dev];
     int li = ms_enter(r), reclaimed = 0;
@@ -93,7 +94,7 @@ int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64
             if (!reclaimed++ && ms_reclaim(r) > 0) continue;
             ms_leave(r, li);
             if (in_use) *in_use = val;
-            return MS_OVER_CAP;
+            return ms_intact(h) ? MS_OVER_CAP : MS_ERROR;
         }
         ms_help(h, tag, r->slot, li);
         if (!seq) {
@@ -108,6 +109,7 @@ int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64
     MS_FAULT("charge.folded");
     __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
     ms_leave(r, li);
+    if (!ms_intact(h)) return MS_ERROR; /* lost on the way: what was charged went with the file */
     __atomic_add_fetch(&r->held[dev], bytes, __ATOMIC_RELAXED);
     if (in_use) *in_use = val + bytes;
     return MS_OK;
@@ -117,6 +119,7 @@ uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes) {
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return bytes;
     if (!ms_bound(r) && ms_rebind(r) != 0) return bytes;
     ms_hdr *h = r->hdr;
+    if (!ms_intact(h)) return bytes; /* nothing to give back to: the file is gone */
     uint64_t have = __atomic_load_n(&r->held[dev], __ATOMIC_RELAXED), take;
     do
         take = bytes < have ? bytes : have;
@@ -140,12 +143,14 @@ uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes) {
 
 uint64_t ms_region_used(const ms_region *r, int dev) {
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return 0;
+    if (!ms_intact(r->hdr)) return UINT64_MAX;
     return __atomic_load_n(&r->hdr->used[dev].val, __ATOMIC_RELAXED);
 }
 
 uint64_t ms_region_used_live(ms_region *r, int dev) {
-    if (ms_region_used(r, dev) > 0) ms_region_reclaim(r);
+    uint64_t used = ms_region_used(r, dev);
+    if (used > 0 && used != UINT64_MAX) ms_region_reclaim(r);
     return ms_region_used(r, dev);
 }
 
-int ms_region_reclaim(ms_region *r) { return r == NULL ? 0 : ms_reclaim(r); }
+int ms_region_reclaim(ms_region *r) { return r == NULL || !ms_intact(r->hdr) ? 0 : ms_reclaim(r); }

@@ -3,6 +3,7 @@
  *   region_ops.h       the operation protocol on the shared words (inline: the fast path), and
  *                      the design and crash-consistency argument;
  *   region_layout.c    the file's layout: new header, validation, the totals invariant;
+ *   region_guard.c     the SIGBUS guard: a mapping of a file shrunk under it becomes zero pages;
  *   region_fault.c     test hooks (fault injection, the sanitizer builds' mid-operation pause);
  *   region_handles.c   the process's registry of handles, handle ids, fork;
  *   region_slots.c     claiming process slots, repairing those of dead processes;
@@ -57,6 +58,26 @@ int ms_layout_check(const ms_hdr *h, const char *path, char *err, size_t errlen)
 /* The invariant (totals == sum of the slots), checked where it is stable; -1 and a reason if
  * the file was corrupted. */
 int ms_check_totals(const ms_hdr *h, const char *path, char *err, size_t errlen);
+
+/* region_guard.c */
+/* Guard the region mapped at base (sizeof(ms_hdr) bytes): a SIGBUS on it, once the file
+ * shrank under it, turns the mapping into private zero pages instead of killing the process
+ * (ms_intact then fails). 0, or -1 (the handler could not be installed, or 64 mappings are
+ * guarded already). Remove before unmapping. */
+int ms_guard_add(const void *base);
+void ms_guard_remove(const void *base);
+
+/* The magic number as the first 8 bytes of the header read as one word. */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define MS_MAGIC_WORD 0x47524d485353504dull /* "MPSSHMRG" */
+#else
+#define MS_MAGIC_WORD 0x4d505353484d5247ull
+#endif
+/* 1 while the mapping still holds a region: 0 once the guard replaced it (a file shrunk under
+ * it) or the file was zeroed (shrunk and grown again). One load of a read-mostly line. */
+static inline int ms_intact(const ms_hdr *h) {
+    return __atomic_load_n((const uint64_t *)(const void *)h->magic, __ATOMIC_ACQUIRE) == MS_MAGIC_WORD;
+}
 
 /* region_handles.c */
 /* Guards the registry of open handles; held across fork, and while a forked child's handle

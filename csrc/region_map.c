@@ -22,8 +22,20 @@
 #include <unistd.h>
 
 void ms_release(int fd, void *map) {
-    if (map != NULL && map != MAP_FAILED) munmap(map, sizeof(ms_hdr));
+    if (map != NULL && map != MAP_FAILED) ms_guard_remove(map), munmap(map, sizeof(ms_hdr));
     if (fd >= 0) close(fd);
+}
+
+/* mmap of the region on fd, guarded against the file shrinking (region_guard.c); MAP_FAILED
+ * with errno set if either fails. */
+static void *ms_map_guarded(int fd, int prot) {
+    void *map = mmap(NULL, sizeof(ms_hdr), prot, MAP_SHARED, fd, 0);
+    if (map != MAP_FAILED && ms_guard_add(map) != 0) {
+        munmap(map, sizeof(ms_hdr));
+        errno = EMFILE;
+        map = MAP_FAILED;
+    }
+    return map;
 }
 
 int ms_fail(char *err, size_t errlen, int fd, void *map, const char *fmt, ...) {
@@ -53,7 +65,7 @@ static int ms_create(const char *path, unsigned mode, char *err, size_t errlen) 
     } else if ((e = posix_fallocate(fd, 0, (off_t)sizeof(ms_hdr))) != 0) {
         ms_fail(err, errlen, -1, NULL, "cannot preallocate region %.200s (%zu bytes): %s", path, sizeof(ms_hdr),
                 strerror(e));
-    } else if ((map = mmap(NULL, sizeof(ms_hdr), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+    } else if ((map = ms_map_guarded(fd, PROT_READ | PROT_WRITE)) == MAP_FAILED) {
         ms_fail(err, errlen, -1, NULL, "cannot map region %.200s: %s", tmp, strerror(errno));
     } else {
         ms_layout_fill(map);
@@ -110,13 +122,16 @@ int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **h
         errno != EOPNOTSUPP)
         return ms_fail(err, errlen, fd, NULL, "cannot preallocate region %.200s (%zu bytes): %s", path,
                        sizeof(ms_hdr), strerror(errno));
-    void *map = mmap(NULL, sizeof(ms_hdr), PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    void *map = ms_map_guarded(fd, PROT_READ | (writable ? PROT_WRITE : 0));
     if (map == MAP_FAILED)
         return ms_fail(err, errlen, fd, NULL, "cannot map region %.200s: %s", path, strerror(errno));
     if (ms_layout_check(map, path, err, errlen) != 0) {
         ms_release(fd, map);
         return -1;
     }
+    if (!ms_intact(map)) /* shrunk while it was checked (region_guard.c) */
+        return ms_fail(err, errlen, fd, map, "region %.200s is corrupted: shrunk or overwritten while it was opened",
+                       path);
     *hp = map;
     return 0;
 }

@@ -29,7 +29,12 @@ static uint64_t ms_nonce(void) {
 static int ms_join(ms_region *r, const char *path, char *err, size_t errlen) {
     if (ms_check_totals(r->hdr, path, err, errlen) != 0) return -1;
     ms_reclaim(r);
-    if (ms_claim(r) == 0) return 0;
+    if (ms_claim(r) == 0) {
+        if (ms_intact(r->hdr)) return 0;
+        ms_release_own(r);
+        return ms_fail(err, errlen, -1, NULL, "region %.200s is corrupted: shrunk or overwritten while it was opened",
+                       path);
+    }
     if (errno != 0 && errno != EAGAIN && errno != EACCES)
         return ms_fail(err, errlen, -1, NULL, "cannot lock a process slot in region %.200s: %s (OFD record locks needed)",
                        path, strerror(errno));

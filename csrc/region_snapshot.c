@@ -11,7 +11,8 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
     return ms_region_snapshot_ex(path, 0, out, err, errlen);
 }
 
-static void ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out);
+static int ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out, const char *path, char *err,
+                          size_t errlen);
 
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen) {
     char dummy[1];
@@ -24,8 +25,7 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
     int fd;
     ms_hdr *h;
     if (ms_map(path, 0, MS_MODE_UMASK, flags, &fd, &h, err, errlen) != 0) return -1;
-    ms_snapshot_of(fd, fd, h, out);
-    return 0;
+    return ms_snapshot_of(fd, fd, h, out, path, err, errlen);
 }
 
 int ms_region_snapshot_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen) {
@@ -40,13 +40,14 @@ int ms_region_snapshot_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size
     if (own < 0) return ms_fail(err, errlen, -1, NULL, "region %s: %s", name, strerror(errno));
     ms_hdr *h;
     if (ms_map_fd(own, name, 0, 0, &h, err, errlen) != 0) return -1;
-    ms_snapshot_of(own, lock_fd >= 0 ? lock_fd : own, h, out);
-    return 0;
+    return ms_snapshot_of(own, lock_fd >= 0 ? lock_fd : own, h, out, name, err, errlen);
 }
 
 /* Fill `out` from the mapped region, testing liveness on `lock_fd` (the region file itself:
- * `fd` may be a private copy of it, which holds no locks), and release fd and mapping. */
-static void ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out) {
+ * `fd` may be a private copy of it, which holds no locks), and release fd and mapping. -1 and
+ * a reason (nothing in `out`) if the file shrank while it was read (region_guard.c). */
+static int ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out, const char *path, char *err,
+                          size_t errlen) {
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);
@@ -63,5 +64,10 @@ static void ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out) {
             p->used[d] = share > out->used[d] ? out->used[d] : share; /* a racing give-back, read mid-way */
         }
     }
+    if (!ms_intact(h)) {
+        memset(out, 0, sizeof *out);
+        return ms_fail(err, errlen, fd, h, "region %.200s is corrupted: shrunk or overwritten while it was read", path);
+    }
     ms_release(fd, h);
+    return 0;
 }

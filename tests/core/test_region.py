@@ -452,3 +452,28 @@ def test_fork_child_of_a_deleted_region_refuses_to_charge(repl: Repl, tmp_path: 
     assert p.ask("charge 0 1000 900") == "ok 1000"
     assert p.ask("charge 0 1000 1") == "over 1000"
 
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "_tsan"])
+@pytest.mark.parametrize("grow_back", [False, True], ids=["shrunk", "zeroed"])
+def test_a_region_shrunk_under_its_handle_ends_in_errors_not_sigbus(
+    repl: Repl, tmp_path: Path, variant: str, grow_back: bool
+) -> None:
+    # another process (any UID: the file is 0666) truncates the mapped file; grown back, it
+    # reads as zeros. Either way: errors from then on, for good, never a signal (issue 16 #5)
+    path = tmp_path / "region"
+    p = repl(variant)
+    assert p.ask(f"open {path}") == "ok"
+    assert p.ask("charge 0 1000 400") == "ok 400"
+    os.truncate(path, 0 if grow_back else 4096)
+    if grow_back:
+        os.truncate(path, FILE_SIZE)
+    assert p.ask("charge 0 1000 1").startswith("error")
+    assert p.ask("uncharge 0 400") == "left 400"  # nothing to give back to
+    assert p.ask("used 0") == str(MAX)  # callers report nothing free
+    assert p.ask("reclaim") == "0"
+    os.truncate(path, FILE_SIZE)
+    assert p.ask("charge 0 1000 1").startswith("error")  # lost for good, even once the size is back
+    assert p.ask("close") == "ok"
+    assert p.ask(f"open {path}").startswith("err region")  # the zeroed file has no magic: refused
+    assert p.proc.poll() is None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shim
-from tests.regionholder import hold
+from tests.regionholder import hold, reader_survives_truncation
 
 REPO = Path(__file__).resolve().parents[2]
 G = 1 << 30
@@ -141,3 +141,26 @@ def test_usage_of_a_private_copy_has_the_same_figures_and_liveness(holder_exe, s
     finally:
         a.kill()
         a.wait()
+
+
+READ_LIVE = """
+import sys, time
+import shim
+region, lib = sys.argv[1], sys.argv[2]
+deadline, reads = time.monotonic() + 8, 0
+while time.monotonic() < deadline:
+    try:
+        shim.usage(region, library=lib)  # the live file, mapped: no private copy
+    except shim.RegionError:
+        pass
+    reads += 1
+print(reads)
+"""
+
+
+def test_usage_of_the_live_file_while_it_is_truncated_is_an_error_not_sigbus(holder_exe, shim_lib, tmp_path):
+    # copy=False maps the file others can shrink; the library's guard turns the fault into
+    # "region ... corrupted" (a RegionError) instead of killing the reader (issue 16 #5)
+    region = tmp_path / "region"
+    holder = hold(holder_exe, region, f"0:{4 * G}:{G}")
+    reader_survives_truncation(holder, region, READ_LIVE, str(region), str(shim_lib))

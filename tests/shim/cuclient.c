@@ -17,17 +17,25 @@
  *                prints how many were served, refused, and seen with the driver's usage above CAP)
  *   bench N SIZE (N alloc+free pairs of SIZE on this thread; prints nanoseconds per pair)
  *   pause        (prints "pause rc=0", then waits for a line on stdin)
+ *   ownbus H     (the application's own SIGBUS: maps a file of its own, truncates it and touches
+ *                it; H=1 first installs a SIGBUS handler that prints "ownbus rc=0 caught=1" and
+ *                exits 0; H=0 leaves the default action, so the process dies of SIGBUS)
+ *   raisebus     (raise(SIGBUS) with the default action: the process dies of SIGBUS)
+ *   bushandler   (installs that SIGBUS handler now, e.g. before init opens the region)
  *   nvmem IDX | nvmem2 IDX   (nvmlDeviceGetMemoryInfo / _v2 of the NVML device IDX, through
  *                             linked symbols in link mode, dlopen + dlsym otherwise)
  * No cuda.h: the few types are declared here. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "region.h" /* ms_snapshot, for the usage command (csrc/ is on the include path) */
 
@@ -217,6 +225,40 @@ static void *hammer_thread(void *arg)
             h->errors++;
     }
     return NULL;
+}
+
+static void own_bus_handler(int sig, siginfo_t *info, void *ctx)
+{
+    (void)sig, (void)info, (void)ctx;
+    static const char line[] = "ownbus rc=0 caught=1\n";
+    if (write(1, line, sizeof line - 1) < 0)
+        _exit(3);
+    _exit(0);
+}
+
+static int install_bus_handler(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = own_bus_handler;
+    sa.sa_flags = SA_SIGINFO;
+    return sigaction(SIGBUS, &sa, NULL);
+}
+
+/* Touch a mapping of a file of our own after truncating it: SIGBUS, the application's own. */
+static int own_bus(int handler)
+{
+    if (handler && install_bus_handler() != 0)
+        return -1;
+    FILE *f = tmpfile();
+    if (f == NULL || ftruncate(fileno(f), 8192) != 0)
+        return -1;
+    volatile char *m = mmap(NULL, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fileno(f), 0);
+    if (m == MAP_FAILED || ftruncate(fileno(f), 0) != 0)
+        return -1;
+    fflush(stdout);
+    m[4096] = 1; /* beyond the end of the file */
+    return -2;   /* not reached */
 }
 
 int main(int argc, char **argv)
@@ -456,6 +498,15 @@ int main(int argc, char **argv)
             printf("pause rc=0\n");
             if (fgets(line, sizeof line, stdin) == NULL)
                 return 5;
+        } else if (strcmp(cmd, "ownbus") == 0) {
+            int handler = atoi(argv[++i]);
+            printf("ownbus rc=%d\n", own_bus(handler));
+        } else if (strcmp(cmd, "bushandler") == 0) {
+            printf("bushandler rc=%d\n", install_bus_handler());
+        } else if (strcmp(cmd, "raisebus") == 0) {
+            fflush(stdout);
+            raise(SIGBUS);
+            printf("raisebus rc=0\n");
         } else if (strcmp(cmd, "nvmem") == 0 || strcmp(cmd, "nvmem2") == 0) {
             unsigned idx = (unsigned)atoi(argv[++i]);
             int (*init)(void) = (int (*)(void))nvml("nvmlInit_v2");
