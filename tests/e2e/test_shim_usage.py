@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shim
-from tests.regionholder import hold, reader_survives_truncation
+from tests.regionholder import hold, read_loop, reader_survives_truncation
 
 REPO = Path(__file__).resolve().parents[2]
 G = 1 << 30
@@ -143,19 +143,8 @@ def test_usage_of_a_private_copy_has_the_same_figures_and_liveness(holder_exe, s
         a.wait()
 
 
-READ_LIVE = """
-import sys, time
-import shim
-region, lib = sys.argv[1], sys.argv[2]
-deadline, reads = time.monotonic() + 8, 0
-while time.monotonic() < deadline:
-    try:
-        shim.usage(region, library=lib)  # the live file, mapped: no private copy
-    except shim.RegionError:
-        pass
-    reads += 1
-print(reads)
-"""
+# the live file, mapped (no private copy); a RegionError counts as a read
+READ_LIVE = read_loop("import shim", "shim.usage(region, library=lib)")
 
 
 def test_usage_of_the_live_file_while_it_is_truncated_is_an_error_not_sigbus(holder_exe, shim_lib, tmp_path):
