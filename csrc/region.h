@@ -73,6 +73,13 @@ uint64_t ms_region_used_live(ms_region *r, int dev);
 /* Give back the charges of dead processes. Returns how many slots were reclaimed. */
 int ms_region_reclaim(ms_region *r);
 
+/* For the shim's sigaction/signal interposers: SIGBUS as the application sets it. While the
+ * region's SIGBUS guard is the kernel's disposition (from the first region mapped on), `act`
+ * is recorded as the action the guard passes every other SIGBUS to, and `old` gets the one
+ * recorded before; otherwise this is sigaction(SIGBUS, act, old). 0 or -1 (errno). */
+struct sigaction;
+int ms_region_sigbus_action(const struct sigaction *act, struct sigaction *old);
+
 /* Read-only snapshot for tools (shim.usage() reaches it through the exported mpsshim_usage). */
 #define MS_SNAPSHOT_MAX_PROCS 256
 typedef struct ms_proc_usage {

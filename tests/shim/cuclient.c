@@ -21,7 +21,9 @@
  *                it; H=1 first installs a SIGBUS handler that prints "ownbus rc=0 caught=1" and
  *                exits 0; H=0 leaves the default action, so the process dies of SIGBUS)
  *   raisebus     (raise(SIGBUS) with the default action: the process dies of SIGBUS)
- *   bushandler   (installs that SIGBUS handler now, e.g. before init opens the region)
+ *   bushandler   (installs that SIGBUS handler now with sigaction, e.g. before init opens the region)
+ *   bussignal    (installs a plain SIGBUS handler that does the same, with signal())
+ *   busquery     (prints "busquery rc=0 mine=1" if sigaction reports one of those handlers as SIGBUS's)
  *   nvmem IDX | nvmem2 IDX   (nvmlDeviceGetMemoryInfo / _v2 of the NVML device IDX, through
  *                             linked symbols in link mode, dlopen + dlsym otherwise)
  * No cuda.h: the few types are declared here. */
@@ -234,6 +236,11 @@ static void own_bus_handler(int sig, siginfo_t *info, void *ctx)
     if (write(1, line, sizeof line - 1) < 0)
         _exit(3);
     _exit(0);
+}
+
+static void own_bus_plain(int sig)
+{
+    own_bus_handler(sig, NULL, NULL);
 }
 
 static int install_bus_handler(void)
@@ -503,6 +510,13 @@ int main(int argc, char **argv)
             printf("ownbus rc=%d\n", own_bus(handler));
         } else if (strcmp(cmd, "bushandler") == 0) {
             printf("bushandler rc=%d\n", install_bus_handler());
+        } else if (strcmp(cmd, "bussignal") == 0) {
+            printf("bussignal rc=%d\n", signal(SIGBUS, own_bus_plain) == SIG_ERR ? -1 : 0);
+        } else if (strcmp(cmd, "busquery") == 0) {
+            struct sigaction now;
+            int rc = sigaction(SIGBUS, NULL, &now);
+            int mine = (now.sa_flags & SA_SIGINFO) ? now.sa_sigaction == own_bus_handler : now.sa_handler == own_bus_plain;
+            printf("busquery rc=%d mine=%d\n", rc, mine);
         } else if (strcmp(cmd, "raisebus") == 0) {
             fflush(stdout);
             raise(SIGBUS);

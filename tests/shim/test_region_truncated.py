@@ -21,8 +21,11 @@ M = 1 << 20
 G = 1 << 30
 
 
-def paused_client(shim: ShimEnv, mode: str, cmds: list[object]) -> subprocess.Popen[str]:
-    """A client that ran up to its `pause` (the region mapped, memory charged) and waits there."""
+def paused_client(
+    shim: ShimEnv, mode: str, cmds: list[object], seen: list[dict[str, object]] | None = None
+) -> subprocess.Popen[str]:
+    """A client that ran up to its `pause` (the region mapped, memory charged) and waits there;
+    its output lines up to the pause are appended to SEEN."""
     proc = subprocess.Popen(
         shim.argv(mode, cmds),
         env=shim.env("0=1G"),
@@ -34,6 +37,8 @@ def paused_client(shim: ShimEnv, mode: str, cmds: list[object]) -> subprocess.Po
     assert proc.stdout is not None
     while (line := proc.stdout.readline().strip()) != "pause rc=0":
         assert line, f"client ended before its pause: {proc.wait(timeout=30)}"
+        if seen is not None:
+            seen.append(parse_line(line))
     return proc
 
 
@@ -117,6 +122,7 @@ def test_a_region_truncated_while_a_new_client_opens_it_is_refused(shim: ShimEnv
         ([], ["ownbus", 0], -signal.SIGBUS),  # its own truncated mapping: the default action, as without the shim
         ([], ["ownbus", 1], 0),  # a handler installed after the shim's runs (it prints and exits 0)
         (["bushandler"], ["ownbus", 0], 0),  # one installed before the region was opened is chained
+        ([], ["bussignal", "ownbus", 0], 0),  # one installed with signal() after it too
         ([], ["raisebus"], -signal.SIGBUS),  # a SIGBUS sent, not a fault: the default action too
     ],
 )
@@ -131,9 +137,21 @@ def test_the_applications_own_sigbus_still_reaches_its_handler_or_the_default_ac
         assert r.of("ownbus")[0]["caught"] == 1
 
 
-def test_a_handler_the_application_installed_first_does_not_see_the_regions_fault(shim: ShimEnv) -> None:
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(["bushandler"], []), ([], ["bushandler"]), ([], ["bussignal"])],
+    ids=["sigaction-before", "sigaction-after", "signal-after"],
+)
+def test_a_handler_the_application_installed_does_not_see_the_regions_fault(
+    shim: ShimEnv, before: list[object], after: list[object]
+) -> None:
+    # before the region was opened (chained), or after it (the shim's sigaction/signal record it
+    # instead of letting it displace the guard): either way the region's fault is the guard's
     region = shim.tmp / "test.region"
-    client = paused_client(shim, "gpa2", ["bushandler", "init", "ctx", 0, "alloc", M, "pause", "alloc", M, "free"])
+    cmds = [*before, "init", "ctx", 0, "alloc", M, *after, "busquery", "pause", "alloc", M, "free"]
+    seen: list[dict[str, object]] = []
+    client = paused_client(shim, "gpa2", cmds, seen)
+    assert next(line for line in seen if line["cmd"] == "busquery")["mine"] == 1  # sigaction reports it back
     os.truncate(region, 4096)
     rc, lines, logged = resume(client)
     assert rc == 0
