@@ -15,7 +15,11 @@
  *    cgroup, debugger) or dead co-tenant can never block another process's call.
  *  - A file with a bad magic, version, size or type is refused with a clear reason, never
  *    "no cap"; a file is preallocated before it is published, so a full disk is a refusal at
- *    open, never a SIGBUS later. */
+ *    open, never a SIGBUS later.
+ *  - A file shrunk under a mapping of it (another process truncating the shared file) is never
+ *    a SIGBUS: the mapping becomes private zero pages (region_guard.c), and the handle answers
+ *    MS_ERROR from then on, as for a file zeroed under it (its magic reads 0). Other SIGBUSes
+ *    go to the handler installed before the first region was mapped, or the default action. */
 #ifndef MPSSHIM_REGION_H
 #define MPSSHIM_REGION_H
 
@@ -53,12 +57,13 @@ void ms_region_close(ms_region *r);
 
 /* Charge `bytes` on device `dev` (0 <= dev < MS_MAX_DEVICES) against `cap`.
  * MS_OK, or MS_OVER_CAP (nothing charged; *in_use says what is in use, after dead processes
- * were reclaimed), or MS_ERROR (corrupted region). */
+ * were reclaimed), or MS_ERROR (corrupted region: shrunk or zeroed under this process too). */
 int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use);
 /* Gives back up to `bytes` of what this process charged on `dev`. Never wraps: more than this
  * process holds is clamped, and the part that could not be given back is returned (0 normally;
  * callers that ignore it may keep calling it as a void function). */
 uint64_t ms_region_uncharge(ms_region *r, int dev, uint64_t bytes);
+/* Bytes in use on dev; UINT64_MAX (nothing free) once the region was shrunk or zeroed. */
 uint64_t ms_region_used(const ms_region *r, int dev);
 /* The same after giving back dead processes' charges, if any are counted on `dev` (tests
  * liveness, one fcntl per process slot in use: for memory queries, so a crashed process of the container does not
@@ -67,6 +72,13 @@ uint64_t ms_region_used_live(ms_region *r, int dev);
 
 /* Give back the charges of dead processes. Returns how many slots were reclaimed. */
 int ms_region_reclaim(ms_region *r);
+
+/* For the shim's sigaction/signal interposers: SIGBUS as the application sets it. While the
+ * region's SIGBUS guard is the kernel's disposition (from the first region mapped on), `act`
+ * is recorded as the action the guard passes every other SIGBUS to, and `old` gets the one
+ * recorded before; otherwise this is sigaction(SIGBUS, act, old). 0 or -1 (errno). */
+struct sigaction;
+int ms_region_sigbus_action(const struct sigaction *act, struct sigaction *old);
 
 /* Read-only snapshot for tools (shim.usage() reaches it through the exported mpsshim_usage). */
 #define MS_SNAPSHOT_MAX_PROCS 256
@@ -95,7 +107,7 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
 
 /* --- The file (layout version 2; bump MS_LAYOUT_VERSION on any change) ---
  * A header, per-device totals, then MS_SLOTS process slots of MS_LANES lanes each; the whole
- * file is sizeof(ms_hdr) bytes. The crash-consistency argument is at the top of region.c.
+ * file is sizeof(ms_hdr) bytes. The crash-consistency argument is at the top of region_ops.h.
  *  - used[d] is a 16-byte word {bytes in use, tag of the operation that last changed it},
  *    changed only by a 16-byte compare-and-swap.
  *  - A slot belongs to one process: its owner holds an OFD write lock on the slot's first byte

@@ -1,7 +1,16 @@
-/* Private to the region's two halves (contract in region.h):
- *   region.c       the accounting: the design, lanes, charge/uncharge;
- *   region_slots.c claiming slots, repairing those of dead processes;
- *   region_open.c  opening, creating and validating the file, handles across fork, snapshot. */
+/* Private to the region core (contract in region.h). Files by layer; each calls only the
+ * layers above it in this list, never one below:
+ *   region_ops.h       the operation protocol on the shared words (inline: the fast path), and
+ *                      the design and crash-consistency argument;
+ *   region_layout.c    the file's layout: new header, validation, the totals invariant;
+ *   region_guard.c     the SIGBUS guard: a mapping of a file shrunk under it becomes zero pages;
+ *   region_fault.c     test hooks (fault injection, the sanitizer builds' mid-operation pause);
+ *   region_handles.c   the process's registry of handles, handle ids, fork;
+ *   region_slots.c     claiming process slots, repairing those of dead processes;
+ *   region_charge.c    threads' lanes, charge and uncharge;
+ *   region_map.c       opening, creating, validating and mapping a file;
+ *   region_open.c      ms_region_open/close: a handle with a slot;
+ *   region_snapshot.c  the read-only snapshot for tools. */
 #ifndef MPSSHIM_REGION_IMPL_H
 #define MPSSHIM_REGION_IMPL_H
 
@@ -11,6 +20,7 @@
 #include <sys/types.h>
 
 #include "region.h"
+#include "region_ops.h"
 
 /* Offset of process slot i in the file: its first byte carries the owner's liveness lock, its
  * second the lock of whoever repairs it after the owner died. */
@@ -36,28 +46,59 @@ struct ms_region {
     uint64_t held[MS_MAX_DEVICES] __attribute__((aligned(64)));
 };
 
-/* Guards the registry of open handles (region_open.c); held across fork, and while a forked
- * child's handle claims its own slot (region.c). */
-extern pthread_mutex_t ms_reg_lock;
-/* Bumped in a forked child (region_open.c); a handle claimed under an older value is not
- * bound to this process (region.c). */
-extern unsigned long ms_forkgen;
-
-static inline uint64_t ms_ld(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-static inline void ms_st(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-
-/* A device word's tag: the operation (sequence number, slot, lane) that last changed it. */
-#define MS_TAG(seq, slot, lane) ((uint64_t)(seq) << 12 | (uint64_t)(slot) << 4 | (uint64_t)(lane))
-
-/* region.c */
+/* region_layout.c */
 /* A slot's share of a device: the sum of its lanes (modulo 2^64). */
 uint64_t ms_slot_share(const ms_slot *s, int d);
+/* A new file's header (the magic last: then the header is whole). */
+void ms_layout_fill(ms_hdr *h);
+/* Magic and version, from the first bytes (before the size is judged); -1 and a reason. */
+int ms_version_check(const ms_hdr *h, const char *path, char *err, size_t errlen);
+/* Everything the header says, and each slot's state word; -1 and a reason. */
+int ms_layout_check(const ms_hdr *h, const char *path, char *err, size_t errlen);
+/* The invariant (totals == sum of the slots), checked where it is stable; -1 and a reason if
+ * the file was corrupted. */
+int ms_check_totals(const ms_hdr *h, const char *path, char *err, size_t errlen);
+
+/* region_guard.c */
+/* Guard the region mapped at base (sizeof(ms_hdr) bytes): a SIGBUS on it, once the file
+ * shrank under it, turns the mapping into private zero pages instead of killing the process
+ * (ms_intact then fails). 0, or -1 (the handler could not be installed, or 64 mappings are
+ * guarded already). Remove before unmapping. */
+int ms_guard_add(const void *base);
+void ms_guard_remove(const void *base);
+
+/* The magic number as the first 8 bytes of the header read as one word. */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define MS_MAGIC_WORD 0x47524d485353504dull /* "MPSSHMRG" */
+#else
+#define MS_MAGIC_WORD 0x4d505353484d5247ull
+#endif
+/* 1 while the mapping still holds a region: 0 once the guard replaced it (a file shrunk under
+ * it) or the file was zeroed (shrunk and grown again). One load of a read-mostly line. */
+static inline int ms_intact(const ms_hdr *h) {
+    return __atomic_load_n((const uint64_t *)(const void *)h->magic, __ATOMIC_ACQUIRE) == MS_MAGIC_WORD;
+}
+
+/* region_handles.c */
+/* Guards the registry of open handles; held across fork, and while a forked child's handle
+ * claims its own slot (region_charge.c). */
+extern pthread_mutex_t ms_reg_lock;
+/* Bumped in a forked child; a handle claimed under an older value is not bound to this process. */
+extern unsigned long ms_forkgen;
+/* Installs the fork handlers (once). */
+void ms_handles_init(void);
+/* A new unique handle id. */
+unsigned long ms_new_id(void);
+/* Under ms_reg_lock: the open handle of the file at path / with this id, or NULL; add, remove. */
+ms_region *ms_reg_find(const char *path);
+ms_region *ms_reg_by_id(unsigned long id);
+void ms_reg_add(ms_region *r);
+void ms_reg_remove(ms_region *r);
+
 /* 1 if the handle's slot belongs to this process (not inherited across fork). */
-int ms_bound(const ms_region *r);
-/* Step 1 of an operation on lane L (nothing in flight there); returns its sequence number. */
-uint64_t ms_announce(ms_lane *L, uint32_t kind, int dev, uint64_t delta, uint64_t pnew);
-/* Step 2 of a give-back of `take` on dev by lane (slot, lane): never below 0. */
-void ms_apply_down(ms_hdr *h, int dev, uint64_t take, uint64_t seq, int slot, int lane);
+static inline int ms_bound(const ms_region *r) {
+    return __atomic_load_n(&r->forkgen, __ATOMIC_ACQUIRE) == __atomic_load_n(&ms_forkgen, __ATOMIC_RELAXED);
+}
 
 /* region_slots.c */
 /* 1 if another open file description holds the lock on byte `off` (or the test fails). */
@@ -68,15 +109,18 @@ int ms_claim(ms_region *r);
 int ms_reclaim(ms_region *r);
 /* Give this process's slot back (its charges, then the slot). */
 void ms_release_own(ms_region *r);
-/* A new unique handle id (region_open.c stamps handles with it). */
-unsigned long ms_new_id(void);
 
-/* region_open.c */
-/* Under ms_reg_lock: the open handle with this id, or NULL. */
-ms_region *ms_reg_by_id(unsigned long id);
-/* The invariant (totals == sum of the slots), checked where it is stable; -1 and a reason if
- * the file was corrupted. */
-int ms_check_totals(const ms_hdr *h, const char *path, char *err, size_t errlen);
+/* region_map.c */
+/* Unmap (if mapped) and close (if >= 0). */
+void ms_release(int fd, void *map);
+/* Formats a one-line reason into err, releases the fd and mapping if given; returns -1. */
+int ms_fail(char *err, size_t errlen, int fd, void *map, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* Open (creating it, if missing and writable, with `mode`), check and map the file at path:
+ * its descriptor and mapping, or -1 and a reason. */
+int ms_map(const char *path, int writable, unsigned mode, unsigned flags, int *fdp, ms_hdr **hp, char *err,
+           size_t errlen);
+/* Check and map the open region `fd` (named `path` in messages); on failure fd is closed. */
+int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **hp, char *err, size_t errlen);
 
 /* Fault injection (test builds, -DMS_FAULT_INJECT): MS_FAULT("step") kills the process with
  * SIGKILL when MPSSHIM_FAULT names that step ("step" or "step:N" for its Nth passage; a
@@ -89,6 +133,15 @@ void ms_fault_point(const char *step);
 #define MS_FAULT(step) ms_fault_point(step)
 #else
 #define MS_FAULT(step) ((void)0)
+#endif
+
+#ifdef MS_REGION_PARANOID
+/* Test builds only: called between the CAS and the fold of a charge or uncharge, so a test can
+ * widen the window a SIGKILL must hit to leave an operation in flight (region_fault.c). */
+extern void (*ms_region_test_midop)(void);
+#define MS_MIDOP() (ms_region_test_midop ? ms_region_test_midop() : (void)0)
+#else
+#define MS_MIDOP() ((void)0)
 #endif
 
 #endif

@@ -1,5 +1,5 @@
 /* Process slots of the accounting region (design and crash-consistency argument at the top of
- * region.c): claiming a free slot, finishing what a dead process left in flight, giving a
+ * region_ops.h): claiming a free slot, finishing what a dead process left in flight, giving a
  * slot's shares back (a dead one's, or our own on close) and freeing it. No step waits on
  * another process: claims are compare-and-swaps, file locks are taken with F_OFD_SETLK. */
 #include "region_impl.h"
@@ -64,7 +64,7 @@ int ms_claim(ms_region *r) {
     return -1;
 }
 
-/* Finish (or drop) the operation a dead lane left in flight (see the top of this file). */
+/* Finish (or drop) the operation a dead lane left in flight (see region_ops.h). */
 static void ms_resolve(ms_hdr *h, int si, int li) {
     ms_slot *s = &h->slot[si];
     ms_lane *L = &s->lane[li];

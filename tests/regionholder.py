@@ -48,6 +48,17 @@ def hold(exe: os.PathLike | str, region: os.PathLike | str | bytes, *charges: st
     return proc
 
 
+def read_loop(setup: str, read: str) -> str:
+    """A READER for ``reader_survives_truncation``: SETUP (Python, with sys and time imported
+    and ``region, lib = sys.argv[1:3]``), then READ in a loop for 8 s, where an exception
+    counts as a read (a refusal is fine, a signal is not)."""
+    return (
+        f"import sys, time\n{setup}\nregion, lib = sys.argv[1], sys.argv[2]\n"
+        "deadline, reads = time.monotonic() + 8, 0\nwhile time.monotonic() < deadline:\n"
+        f"    try:\n        {read}\n    except Exception:\n        pass\n    reads += 1\nprint(reads)\n"
+    )
+
+
 def reader_survives_truncation(holder: subprocess.Popen[str], region: Path, reader: str, *args: str) -> None:
     """Run the Python program READER (ARGS after it; it prints how many reads it made) while
     REGION is truncated and grown again without pause; it must exit 0 after more than 100

@@ -1,4 +1,4 @@
-/* Drives csrc/region.c + region_open.c from tests.
+/* Drives the region core (csrc/region_*.c) from tests.
  *
  *   region_cli repl
  *       one command per stdin line, one answer per stdout line:

@@ -1,4 +1,4 @@
-"""csrc/region.c: container-wide accounting across threads and real processes.
+"""csrc/region_*.c: container-wide accounting across threads and real processes.
 
 Drivers come in several builds (tests/core/Makefile): plain, `_san` under ASan+UBSan (which also
 pauses between a charge's compare-and-swap and its fold, widening the window a SIGKILL must hit),
@@ -248,7 +248,7 @@ def test_sigkill_of_a_holder_gives_its_charges_back(repl: Repl, tmp_path: Path) 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sigkill_inside_charge_and_uncharge(core_bin: Path, repl: Repl, tmp_path: Path, variant: str) -> None:
     """Four threads loop in charge/uncharge when SIGKILL lands; the survivor resolves what the dead
-    threads left in flight (region.c's crash-consistency argument) and can then charge exactly the
+    threads left in flight (region_ops.h's crash-consistency argument) and can then charge exactly the
     whole cap, no more."""
     path = tmp_path / "region"
     cap = 1 << 20
@@ -452,3 +452,28 @@ def test_fork_child_of_a_deleted_region_refuses_to_charge(repl: Repl, tmp_path: 
     assert p.ask("charge 0 1000 900") == "ok 1000"
     assert p.ask("charge 0 1000 1") == "over 1000"
 
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "_tsan"])
+@pytest.mark.parametrize("grow_back", [False, True], ids=["shrunk", "zeroed"])
+def test_a_region_shrunk_under_its_handle_ends_in_errors_not_sigbus(
+    repl: Repl, tmp_path: Path, variant: str, grow_back: bool
+) -> None:
+    # another process (any UID: the file is 0666) truncates the mapped file; grown back, it
+    # reads as zeros. Either way: errors from then on, for good, never a signal (issue 16 #5)
+    path = tmp_path / "region"
+    p = repl(variant)
+    assert p.ask(f"open {path}") == "ok"
+    assert p.ask("charge 0 1000 400") == "ok 400"
+    os.truncate(path, 0 if grow_back else 4096)
+    if grow_back:
+        os.truncate(path, FILE_SIZE)
+    assert p.ask("charge 0 1000 1").startswith("error")
+    assert p.ask("uncharge 0 400") == "left 400"  # nothing to give back to
+    assert p.ask("used 0") == str(MAX)  # callers report nothing free
+    assert p.ask("reclaim") == "0"
+    os.truncate(path, FILE_SIZE)
+    assert p.ask("charge 0 1000 1").startswith("error")  # lost for good, even once the size is back
+    assert p.ask("close") == "ok"
+    assert p.ask(f"open {path}").startswith("err region")  # the zeroed file has no magic: refused
+    assert p.proc.poll() is None

@@ -1,4 +1,4 @@
-"""Crash consistency of the region (region.c's argument), one window at a time: a fault-injection
+"""Crash consistency of the region (region_ops.h's argument), one window at a time: a fault-injection
 build of the driver (MPSSHIM_FAULT=step) kills itself with SIGKILL at every step of claiming a
 slot, charging, uncharging and repairing a dead slot (also while giving its own slot back on
 close). A survivor then repairs what it left, without waiting on anyone: the total comes back to

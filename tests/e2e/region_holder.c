@@ -1,4 +1,4 @@
-/* Test helper: opens an accounting region with A1's core (csrc/region.c), charges what the
+/* Test helper: opens an accounting region with A1's core (csrc/region_*.c), charges what the
  * arguments say, reports, then holds the charges until stdin closes (or it is killed).
  *   region_holder PATH DEV:CAP:BYTES...   -> prints "ready" or "refused DEV in_use=N" or "error: ..." */
 #include <inttypes.h>

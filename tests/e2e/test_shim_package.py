@@ -1,5 +1,5 @@
 """The shim's Python package: finding the library, the cffi mirror of ms_snapshot, reading a
-region (written by the real core in csrc/region.c from helper processes), and the CLI."""
+region (written by the real core in csrc/region_*.c from helper processes), and the CLI."""
 from __future__ import annotations
 
 import subprocess

@@ -1,5 +1,5 @@
 """shim.usage() and `python -m shim` on real region files, written by the real core
-(csrc/region.c, region_open.c) from helper processes, read through libmpsshim.so's mpsshim_usage."""
+(csrc/region_*.c) from helper processes, read through libmpsshim.so's mpsshim_usage."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shim
-from tests.regionholder import hold
+from tests.regionholder import hold, read_loop, reader_survives_truncation
 
 REPO = Path(__file__).resolve().parents[2]
 G = 1 << 30
@@ -145,3 +145,15 @@ def test_usage_of_a_private_copy_has_the_same_figures_and_liveness(holder_exe, s
     finally:
         a.kill()
         a.wait()
+
+
+# the live file, mapped (no private copy); a RegionError counts as a read
+READ_LIVE = read_loop("import shim", "shim.usage(region, library=lib)")
+
+
+def test_usage_of_the_live_file_while_it_is_truncated_is_an_error_not_sigbus(holder_exe, shim_lib, tmp_path):
+    # copy=False maps the file others can shrink; the library's guard turns the fault into
+    # "region ... corrupted" (a RegionError) instead of killing the reader (issue 16 #5)
+    region = tmp_path / "region"
+    holder = hold(holder_exe, region, f"0:{4 * G}:{G}")
+    reader_survives_truncation(holder, region, READ_LIVE, str(region), str(shim_lib))

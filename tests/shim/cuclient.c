@@ -17,18 +17,27 @@
  *                prints how many were served, refused, and seen with the driver's usage above CAP)
  *   bench N SIZE (N alloc+free pairs of SIZE on this thread; prints nanoseconds per pair)
  *   pause        (prints "pause rc=0", then waits for a line on stdin)
+ *   ownbus H     (the application's own SIGBUS: maps a file of its own, truncates it and touches
+ *                it; H=1 first installs a SIGBUS handler that prints "ownbus rc=0 caught=1" and
+ *                exits 0; H=0 leaves the default action, so the process dies of SIGBUS)
+ *   raisebus     (raise(SIGBUS) with the default action: the process dies of SIGBUS)
+ *   bushandler   (installs that SIGBUS handler now with sigaction, e.g. before init opens the region)
+ *   bussignal    (installs a plain SIGBUS handler that does the same, with signal())
+ *   busquery     (prints "busquery rc=0 mine=1" if sigaction reports one of those handlers as SIGBUS's)
  *   nvmem IDX | nvmem2 IDX   (nvmlDeviceGetMemoryInfo / _v2 of the NVML device IDX, through
  *                             linked symbols in link mode, dlopen + dlsym otherwise)
  * No cuda.h: the few types are declared here. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "cubus.h"  /* the ownbus/bushandler/bussignal/busquery commands */
 #include "region.h" /* ms_snapshot, for the usage command (csrc/ is on the include path) */
 
 typedef int CUresult;
@@ -456,6 +465,22 @@ int main(int argc, char **argv)
             printf("pause rc=0\n");
             if (fgets(line, sizeof line, stdin) == NULL)
                 return 5;
+        } else if (strcmp(cmd, "ownbus") == 0) {
+            int handler = atoi(argv[++i]);
+            printf("ownbus rc=%d\n", own_bus(handler));
+        } else if (strcmp(cmd, "bushandler") == 0) {
+            printf("bushandler rc=%d\n", install_bus_handler());
+        } else if (strcmp(cmd, "bussignal") == 0) {
+            printf("bussignal rc=%d\n", signal(SIGBUS, own_bus_plain) == SIG_ERR ? -1 : 0);
+        } else if (strcmp(cmd, "busquery") == 0) {
+            struct sigaction now;
+            int rc = sigaction(SIGBUS, NULL, &now);
+            int mine = (now.sa_flags & SA_SIGINFO) ? now.sa_sigaction == own_bus_handler : now.sa_handler == own_bus_plain;
+            printf("busquery rc=%d mine=%d\n", rc, mine);
+        } else if (strcmp(cmd, "raisebus") == 0) {
+            fflush(stdout);
+            raise(SIGBUS);
+            printf("raisebus rc=0\n");
         } else if (strcmp(cmd, "nvmem") == 0 || strcmp(cmd, "nvmem2") == 0) {
             unsigned idx = (unsigned)atoi(argv[++i]);
             int (*init)(void) = (int (*)(void))nvml("nvmlInit_v2");

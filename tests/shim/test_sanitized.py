@@ -3,6 +3,7 @@ scenarios on every path without a report (the sanitizer runtime is preloaded fir
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -90,3 +91,25 @@ def test_main_scenarios_run_clean_under_sanitizers(
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr
     if limit != "0=junk":
         assert "alloc rc=2" in proc.stdout and "used rc=0 bytes=0" in proc.stdout
+
+
+def test_a_region_truncated_under_a_sanitized_client_ends_in_a_refusal(
+    shim: ShimEnv, sanitized: tuple[Path, Path]
+) -> None:
+    # AddressSanitizer installs a SIGBUS handler of its own at start: the guard (installed
+    # later) takes the region's fault and chains every other one to it
+    asan, lib = sanitized
+    env = shim.env("0=1G", {"LD_PRELOAD": f"{asan} {lib}", "ASAN_OPTIONS": "detect_leaks=0:exitcode=86"})
+    cmds = ["init", "ctx", 0, "alloc", M, "pause", "alloc", M, "free", "ownbus", 0]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with subprocess.Popen(shim.argv("gpa2", cmds), env=env, text=True, **pipes) as proc:
+        assert proc.stdout is not None
+        while (line := proc.stdout.readline().strip()) != "pause rc=0":
+            assert line, proc.wait(timeout=30)
+        os.truncate(shim.tmp / "test.region", 4096)
+        out, err = proc.communicate("go\n", timeout=120)
+    assert out.splitlines()[:2] == ["alloc rc=2", "free rc=0"], err[-2000:]
+    assert "corrupted" in err
+    # the application's own fault after that is ASan's to report, as without the shim
+    assert "ownbus rc=" not in out
+    assert "AddressSanitizer: BUS" in err and proc.returncode == 86, (proc.returncode, err[-2000:])
