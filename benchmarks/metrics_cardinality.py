@@ -34,15 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpsd.exec_regions import RegionUsage  # noqa: E402
 from mpsd.inventory import Client, Gpu  # noqa: E402
-from mpsd.metrics import AllocationUsage, Metrics, serve  # noqa: E402
+from mpsd.metrics import AllocationUsage, ClaimUsage, Metrics, serve  # noqa: E402
 
 G = 1 << 30
 
 
-def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processes: int = 1) -> None:
+def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processes: int = 1, claims: int = 0) -> None:
     """Push one node's state: ``pods`` allocations, ``regions`` exec regions with ``processes``
-    processes each, every one of them an NVML client; names and pids carry ``tag``, so two
-    worlds with different tags share no per-pod, per-region or per-process label."""
+    processes each, every one of them an NVML client, and ``claims`` prepared DRA claims (none
+    by default: a node serves the device plugin or the DRA driver); names and pids carry ``tag``,
+    so two worlds with different tags share no per-pod, per-region, per-claim or per-process label."""
     base = 1000 * (1 + sum(map(ord, tag)))
     pids = [[base + 64 * r + p for p in range(processes)] for r in range(regions)]
     m.set_last_error(f"error in world {tag}")
@@ -58,6 +59,7 @@ def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processe
     m.set_regions(
         RegionUsage(f"region-{tag}-{r}", 0, 4 * G, G, tuple((pid, G) for pid in pids[r])) for r in range(regions)
     )
+    m.set_claims(ClaimUsage(f"claim-{tag}-{i}", "ns", f"pod-{tag}-{i}", i % gpus, 4 * G, 25.0, G) for i in range(claims))
 
 
 def series_count(m: Metrics) -> int:

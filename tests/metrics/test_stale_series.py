@@ -1,4 +1,4 @@
-"""No series outlives what it describes: once a pod's allocation, an exec region, a process or
+"""No series outlives what it describes: once a pod's allocation, a DRA claim, an exec region, a process or
 a GPU client goes, its series leave the scrape (every per-entity family is replaced as a
 whole, mpsd.metrics.Metrics._replace), and churn through many pods and regions leaves the
 series count where it started. Every labelled family of Metrics is either one of those
@@ -27,6 +27,9 @@ REPLACED = {  # family -> the setter that replaces its labelled group (exercised
     "mpsd_region_memory_cap_bytes": "set_regions",
     "mpsd_region_memory_used_bytes": "set_regions",
     "mpsd_region_process_memory_bytes": "set_regions",
+    "mpsd_claim_memory_bytes": "set_claims",
+    "mpsd_claim_compute_percent": "set_claims",
+    "mpsd_claim_memory_used_bytes": "set_claims",
 }
 
 
@@ -53,7 +56,7 @@ def test_every_labelled_family_is_replaced_as_a_whole_or_bounded() -> None:
 
 def test_series_of_gone_pods_regions_processes_and_errors_leave_the_scrape() -> None:
     m = Metrics()
-    world(m, "a", pods=3, regions=2)
+    world(m, "a", pods=3, regions=2, claims=2)
     before = series(m)
     assert {name for name in REPLACED if before.get(name)} == set(REPLACED)
     world(m, "b", pods=0, regions=0, gpus=1)
@@ -62,16 +65,16 @@ def test_series_of_gone_pods_regions_processes_and_errors_leave_the_scrape() -> 
     kept = {(name, labels) for name in REPLACED for labels in after.get(name, set()) & before[name]}
     assert kept == {(name, (("gpu", "0"),)) for name in ("mpsd_mps_servers", "mpsd_mps_clients", "mpsd_device_healthy")}
     for name in ("mpsd_allocation_memory_used_bytes", "mpsd_region_process_memory_bytes", "mpsd_client_memory_bytes",
-                 "mpsd_last_error_info"):
+                 "mpsd_last_error_info", "mpsd_claim_memory_bytes", "mpsd_claim_memory_used_bytes"):
         assert not after.get(name), name
 
 
 def test_churn_through_many_pods_and_regions_keeps_the_series_count() -> None:
     m = Metrics()
-    world(m, "start", pods=10, regions=20)
+    world(m, "start", pods=10, regions=20, claims=5)
     start = count(m)
     for i in range(30):
-        world(m, f"churn{i}", pods=10, regions=20)
+        world(m, f"churn{i}", pods=10, regions=20, claims=5)
     assert count(m) == start
     world(m, "bigger", pods=20, regions=20)
     assert count(m) > start  # it does count: more pods, more series
