@@ -86,6 +86,13 @@ def check_rejection(command: str, output: str) -> None:
                 raise exc(f"{command!r} rejected by the MPS control daemon: {line}")
 
 
+def _busy(command: str, tries: int, limit: float) -> ControlBusy:
+    return ControlBusy(
+        f"{command!r}: the MPS control daemon did not take it in {tries} tries in {limit:g}s: "
+        "another front-end holds its control connection"
+    )
+
+
 def strip_sentinel(output: str) -> str:
     """The answer to the command, without the last line (the SENTINEL's answer)."""
     lines = output.rstrip("\n").split("\n")
@@ -208,7 +215,13 @@ class Control:
         pause, tries, refused = BUSY_RETRY[0], 0, False
         while True:
             tries += 1
-            proc = self._run_once(command, script, limit, max(deadline - time.monotonic(), 0.001))
+            try:
+                proc = self._run_once(command, script, limit, max(deadline - time.monotonic(), 0.001))
+            except ControlTimeout:
+                if not refused:
+                    raise
+                # the last try ran out of the time left: the daemon had said it was busy, not hung
+                raise _busy(command, tries, limit) from None
             out = proc.stdout + proc.stderr
             busy = BUSY in out if proc.returncode != 0 else (sentinel and not proc.stdout.strip())
             refused = refused or busy
@@ -217,10 +230,7 @@ class Control:
             if time.monotonic() + pause >= deadline:
                 if not busy and not refused:
                     break  # only silent failures: reported as the front-end's failure below
-                raise ControlBusy(
-                    f"{command!r}: the MPS control daemon did not take it in {tries} tries in {limit:g}s: "
-                    "another front-end holds its control connection"
-                )
+                raise _busy(command, tries, limit)
             time.sleep(pause)
             pause = min(pause * 2, BUSY_RETRY[1])
         log.debug(

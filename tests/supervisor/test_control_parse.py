@@ -211,3 +211,37 @@ def test_rejections_are_read_from_the_output(output, exc):
 @pytest.mark.parametrize("output", ["", "100.0\n", "1234\n5678\n", "2G\n"])
 def test_answers_are_not_rejections(output):
     check_rejection("cmd", output)
+
+
+def test_a_busy_daemon_whose_last_try_runs_out_of_time_is_busy_not_hung(monkeypatch) -> None:
+    """Seen under load: the front-end was told 'busy', tried again with the few milliseconds
+    left, and that last run timing out was reported as ControlTimeout, a hung daemon."""
+    import subprocess
+
+    from mpsd import control as ctl
+    from mpsd.errors import ControlBusy, ControlTimeout
+
+    tries = []
+
+    def run_once(self, command, script, limit, left):
+        tries.append(left)
+        if len(tries) == 1:
+            return subprocess.CompletedProcess([], 1, "", ctl.BUSY + "\n")
+        raise ControlTimeout(f"{command!r}: no answer from the MPS control daemon in {limit:g}s")
+
+    monkeypatch.setattr(ctl.Control, "_run_once", run_once)
+    with pytest.raises(ControlBusy, match="another front-end holds its control connection"):
+        ctl.Control("unused", "/nonexistent").call("get_server_list", timeout=5)
+    assert len(tries) == 2
+
+
+def test_a_daemon_that_never_answered_is_still_a_timeout(monkeypatch) -> None:
+    from mpsd import control as ctl
+    from mpsd.errors import ControlTimeout
+
+    def run_once(self, command, script, limit, left):
+        raise ControlTimeout(f"{command!r}: no answer from the MPS control daemon in {limit:g}s")
+
+    monkeypatch.setattr(ctl.Control, "_run_once", run_once)
+    with pytest.raises(ControlTimeout):
+        ctl.Control("unused", "/nonexistent").call("get_server_list", timeout=5)
