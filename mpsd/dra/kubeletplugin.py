@@ -24,7 +24,7 @@ from typing import Callable
 import grpc
 
 from ..errors import DraError, MpsdError, one_line
-from ..plugin.kubelet import socket_identity
+from ..plugin.served import ServedSocket
 from . import (
     cdi,
     dra_v1_pb2,
@@ -121,48 +121,6 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
         return pluginregistration_pb2.RegistrationStatusResponse()
 
 
-class _Socket:
-    """One gRPC server on one unix socket, served again when the socket disappears."""
-
-    def __init__(self, path: str, add: Callable[[grpc.Server], None], workers: int) -> None:
-        self.path, self.add, self.workers = path, add, workers
-        self.server: grpc.Server | None = None
-        self.identity: tuple[int, int] | None = None
-
-    def serve(self) -> None:
-        self.stop()
-        try:
-            os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
-            if os.path.lexists(self.path):
-                os.unlink(self.path)
-        except OSError as exc:
-            raise DraError(f"cannot prepare socket {self.path}: {exc.strerror or exc}") from exc
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="mpsd-dra-rpc"))
-        self.add(server)
-        if server.add_insecure_port("unix://" + os.path.abspath(self.path)) == 0:
-            raise DraError(f"cannot listen on socket {self.path}")
-        server.start()
-        self.server, self.identity = server, socket_identity(self.path)
-        log.info("serving socket=%s", self.path)
-
-    def check(self) -> None:
-        if socket_identity(self.path) != self.identity:
-            log.warning("socket missing or replaced, serving again path=%s", self.path)
-            self.serve()
-
-    def stop(self) -> None:
-        if self.server is None:
-            return
-        self.server.stop(grace=1.0).wait()
-        self.server = None
-        try:
-            if socket_identity(self.path) == self.identity:
-                os.unlink(self.path)
-        except OSError:
-            pass
-        self.identity = None
-
-
 class DraPlugin:
     def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0,
                  usage: ClaimUsageReader | None = None, usage_interval: float = 10.0):
@@ -184,8 +142,9 @@ class DraPlugin:
         def add_registration(server: grpc.Server) -> None:
             pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
-        self._dra = _Socket(self.socket_path, add_dra, WORKERS + 2)
-        self._reg = _Socket(self.registration_path, add_registration, 2)
+        sockets = dict(what="socket", thread_prefix="mpsd-dra-rpc", error=DraError, dir_mode=0o750)
+        self._dra = ServedSocket(self.socket_path, add_dra, WORKERS + 2, **sockets)
+        self._reg = ServedSocket(self.registration_path, add_registration, 2, **sockets)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 

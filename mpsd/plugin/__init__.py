@@ -32,16 +32,14 @@ import functools
 import logging
 import os
 import threading
-from concurrent import futures
 from typing import Sequence
-
-import grpc
 
 from ..errors import PluginError
 from ..health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
+from .served import ServedSocket
 from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
 from .slicing import GpuLike, advertised_ids
 from .state import StateStore, install_file
@@ -117,8 +115,14 @@ class DevicePlugin:
             stop=self._stop,
             wake_interval=wake_interval,
         )
-        self._server: grpc.Server | None = None
-        self._served: tuple[int, int] | None = None
+        # streams hold a thread each while open: the pool has room for all of them and the short calls
+        self._socket = ServedSocket(
+            self.socket_path,
+            lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server),
+            self.servicer.max_streams + UNARY_WORKERS,
+            what="plugin socket",
+            thread_prefix="mpsd-plugin-rpc",
+        )
         self._registered_with: tuple[int, int] | None = None
         self._last_register_error = ""
         self._threads: list[threading.Thread] = []
@@ -146,7 +150,7 @@ class DevicePlugin:
                        "deploy/overlays/tmpfs")
         for allocation in self.store.all():
             restore_region_dir(allocation, self.paths.region_dir)
-        self._serve()
+        self._socket.serve()
         self.check()
         loops = [("mpsd-plugin-watch", self._watch_loop)]
         if self.usage_interval > 0:  # 0: no background rounds (tests call tracker.tick)
@@ -165,7 +169,7 @@ class DevicePlugin:
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()
-        self._stop_server()
+        self._socket.stop()
         self.store.close()
         log.info("device plugin stopped resource=%s", self.resource_name)
 
@@ -180,9 +184,7 @@ class DevicePlugin:
 
     def check(self) -> None:
         """Re-create our socket if it was deleted; (re-)register when the kubelet's socket is new."""
-        if socket_identity(self.socket_path) != self._served:
-            log.warning("plugin socket missing or replaced, serving again path=%s", self.socket_path)
-            self._serve()
+        if self._socket.check():
             self._registered_with = None
         kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
@@ -237,36 +239,6 @@ class DevicePlugin:
                 log.exception("device plugin usage round failed")
             if self._stop.wait(self.usage_interval):
                 return
-
-    def _serve(self) -> None:
-        self._stop_server()
-        try:
-            os.makedirs(self.kubelet_dir, exist_ok=True)
-            if os.path.lexists(self.socket_path):
-                os.unlink(self.socket_path)
-        except OSError as exc:
-            raise PluginError(f"cannot prepare plugin socket {self.socket_path}: {exc.strerror or exc}") from exc
-        # streams hold a thread each while open: the pool has room for all of them and the short calls
-        workers = self.servicer.max_streams + UNARY_WORKERS
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mpsd-plugin-rpc"))
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        if server.add_insecure_port("unix://" + os.path.abspath(self.socket_path)) == 0:
-            raise PluginError(f"cannot listen on plugin socket {self.socket_path}")
-        server.start()
-        self._server = server
-        self._served = socket_identity(self.socket_path)
-        log.info("serving DevicePlugin socket=%s", self.socket_path)
-
-    def _stop_server(self) -> None:
-        if self._server is not None:
-            self._server.stop(grace=1.0).wait()
-            self._server = None
-            try:
-                if socket_identity(self.socket_path) == self._served:
-                    os.unlink(self.socket_path)
-            except OSError:
-                pass
-            self._served = None
 
 
 def run_plugin(
