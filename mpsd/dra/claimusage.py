@@ -53,6 +53,8 @@ class ClaimUsageReader:
         try:
             return self.reader(path)
         except Exception as exc:  # a pod's damaged region must not stop the others
+            if self.metrics is not None:  # a claim's region is an allocation directory's (the plugin's core)
+                self.metrics.region_refused("allocation", exc)  # every round, as the device plugin counts
             if path not in self._warned:
                 self._warned.add(path)
                 log.warning("cannot read usage claim=%s/%s path=%s error=%s", claim.namespace, claim.name, path, exc)

@@ -98,3 +98,18 @@ def test_mpsd_status_lists_prepared_claims(env, tmp_path):
     text = render_status(data)
     assert "ns/c1" in text and "20480M" in text and "25%" in text and "web-0" in text
     assert sorted(os.listdir(env.state_path.parent)) == before
+
+
+def test_a_refused_claim_region_is_counted_every_round(env, shim_lib):
+    """A claim's region lives in an allocation directory made by the device plugin's core, so a
+    refused one counts as kind="allocation", the same series the MpsdRegionsRefused alert reads."""
+    env.claims.put(claim())
+    p = env.loaded()
+    rec = p.prepare(ClaimRef("ns", "c1", "uid-1"))
+    os.symlink("/etc/passwd", os.path.join(rec.region_dir, "region"))
+    metrics = Metrics()
+    reader = ClaimUsageReader(p.prepared, functools.partial(shim_usage, library=str(shim_lib)), metrics)
+    reader.tick()
+    reader.tick()
+    assert metrics.registry.get_sample_value(
+        "mpsd_regions_refused_total", {"kind": "allocation", "reason": "not_regular"}) == 2
