@@ -49,6 +49,11 @@ class DraError(MpsdError):
     """The DRA kubelet plugin could not register, or prepare or unprepare a ResourceClaim."""
 
 
+class DependencyError(MpsdError):
+    """A Python package mpsd needs is missing or too old for it (e.g. grpcio below what the
+    generated gRPC code was generated with)."""
+
+
 def one_line(text: object) -> str:
     """``text`` with every run of whitespace, line breaks included (those str.splitlines()
     knows: \\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, U+2028, U+2029), made one space, and

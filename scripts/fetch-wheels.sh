@@ -4,7 +4,8 @@
 #
 #   scripts/fetch-wheels.sh [--python-version 3.12] [--dest DIR] [PACKAGE ...]
 #
-# Default packages: cffi (mpsd's only requirement the lent GPU image lacks; it brings pycparser).
+# Default packages: cffi (the lent GPU image lacks it; it brings pycparser), grpcio and protobuf
+# (the image's grpcio 1.84.0 is older than mpsd's generated gRPC code needs: mpsd/grpcdeps.py).
 # Name more to add them (e.g. `cffi pytest-timeout`): gpu-check installs from .whl/ whatever the
 # machine is missing among mpsd's and the tests' requirements. Binary wheels only, for CPython of
 # the given version on manylinux x86-64; their dependencies come too. The folder is emptied first,
@@ -28,7 +29,7 @@ if ! [[ $pyver =~ ^3\.[0-9]+$ ]]; then
     echo "fetch-wheels: --python-version '$pyver' is not X.Y (e.g. 3.12)" >&2
     exit 2
 fi
-[ ${#pkgs[@]} -gt 0 ] || pkgs=(cffi)
+[ ${#pkgs[@]} -gt 0 ] || pkgs=(cffi 'grpcio>=1.85.1' 'protobuf>=7.35.1')
 python=$(command -v python3 || command -v python)
 mkdir -p "$dest"
 rm -f "$dest"/*.whl

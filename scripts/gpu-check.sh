@@ -100,19 +100,31 @@ def have(mod):
         return importlib.util.find_spec(mod) is not None
     except ImportError:
         return False
-print(" ".join(dist for mod, dist in need.items() if not have(mod)))
+wanted = [dist for mod, dist in need.items() if not have(mod)]
+# Present but too old counts as missing: the lent machine's image had grpcio 1.84.0, below what
+# mpsd's generated gRPC code needs (mpsd/grpcdeps.py), and `mpsd status` died of it.
+from mpsd import grpcdeps
+for dist, minimum in (("grpcio", grpcdeps.GRPCIO_MIN), ("protobuf", grpcdeps.PROTOBUF_MIN)):
+    if any(problem.startswith(dist + " ") for problem in grpcdeps.missing()):
+        wanted = [w for w in wanted if w != dist] + [f"{dist}>={minimum}"]
+print(" ".join(wanted))
 PY
 )
 install_note="all Python packages were already there"
 if [ -n "$missing" ]; then
     if compgen -G "$wheels/*.whl" >/dev/null; then
         echo "gpu-check: installing from $wheels: $missing"
-        # shellcheck disable=SC2086  # one word per package
-        if "$vpy" -m pip install -q --no-index --find-links "$wheels" $missing; then
-            install_note="installed from $wheels: $missing"
-        else
-            install_note="pip could not install from $wheels: $missing"
-        fi
+        # one package at a time: a wheel that is not there must not keep the others out
+        done_list="" failed_list=""
+        for req in $missing; do
+            if "$vpy" -m pip install -q --no-index --find-links "$wheels" "$req"; then
+                done_list+=" $req"
+            else
+                failed_list+=" $req"
+            fi
+        done
+        install_note="installed from $wheels:${done_list:- nothing}"
+        [ -z "$failed_list" ] || install_note+="; pip could not install from $wheels:$failed_list"
     else
         install_note="missing, and no wheels in $wheels (run scripts/fetch-wheels.sh where there is network): $missing"
     fi

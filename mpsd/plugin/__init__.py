@@ -34,6 +34,7 @@ import os
 import threading
 from typing import Sequence
 
+from .. import grpcready  # noqa: F401  (first: one line, not a traceback, if grpcio is too old)
 from ..errors import PluginError
 from ..health import HealthBoard
 from . import api_pb2_grpc

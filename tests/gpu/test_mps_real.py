@@ -121,8 +121,12 @@ def test_exec_client_gets_its_compute_and_memory_limits(node, torch_python, reco
         servers = control.get_server_list()
         readback = {s: _ask(control, f"get_active_thread_percentage {s}") for s in servers}
         ps = control.ps()
-        server_log = (
-            (node["logs"] / "server.log").read_text(errors="replace") if (node["logs"] / "server.log").exists() else ""
+        # the 580 daemon writes its servers' lines into control.log (tagged "Server"), older ones
+        # into server.log (docs/hardware.md, 2026-11-26): read both
+        server_log = "\n".join(
+            (node["logs"] / name).read_text(errors="replace")
+            for name in ("server.log", "control.log")
+            if (node["logs"] / name).exists()
         )
         over = _exec(
             node,
@@ -134,7 +138,10 @@ def test_exec_client_gets_its_compute_and_memory_limits(node, torch_python, reco
         )
     finally:
         stderr = _stop(client)
-    interesting = [ln for ln in server_log.splitlines() if "limit" in ln.lower() or "percentage" in ln.lower()]
+    interesting = [
+        ln for ln in server_log.splitlines()
+        if " Server " in ln and ("limit" in ln.lower() or "percentage" in ln.lower())
+    ]
     record(
         all_sms=all_sms,
         client=seen,
