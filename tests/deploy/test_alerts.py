@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import subprocess
@@ -25,8 +26,7 @@ import pytest
 import yaml
 
 from tests.deploy.alertcheck import alerts, anchors, coverage_problems, rule_problems
-from tests.deploy.conftest import REPO, one, rendered
-from tests.deploy.kustomize import render
+from tests.deploy.conftest import REPO, kubectl_kustomize, one, rendered
 
 COMPONENT = REPO / "deploy/components/alerts"
 PLAIN = COMPONENT / "mpsd.rules.yml"
@@ -99,8 +99,8 @@ def test_promtool_accepts_the_plain_rule_file() -> None:
 @pytest.mark.parametrize("kustomization", ["deploy/overlays/monitoring", None])
 def test_promtool_accepts_the_rules_of_the_rendered_component(kustomization: str | None, tmp_path: Path) -> None:
     if kustomization is None:  # the component alone, as a user's kustomization includes it
-        (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"components": [str(COMPONENT)]}))
-        objects = render(tmp_path)
+        (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"components": [os.path.relpath(COMPONENT, tmp_path)]}))
+        objects = kubectl_kustomize(tmp_path)
     else:
         objects = rendered(kustomization)
     rule = one(objects, "PrometheusRule", "mpsd")

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.conftest import KUSTOMIZATIONS, REPO, assert_flags_known, config_text, one, rendered
+from tests.deploy.conftest import (KUSTOMIZATIONS, REPO, assert_flags_known, config_key_known, config_text,
+                                   loadable, one, rendered)
 
 try:
     from mpsd import config as mpsd_config
@@ -171,9 +172,11 @@ def test_grace_period_exceeds_the_shutdown_timeout(node_kustomization: str) -> N
 @pytest.mark.skipif(mpsd_config is None, reason=CONFIG_MISSING or "-")
 def test_configmap_loads_with_mpsd_config(node_kustomization: str, tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text(config_text(rendered(node_kustomization)))
+    path.write_text(loadable(config_text(rendered(node_kustomization))))
     cfg = mpsd_config.load(str(path), {}, {})
     raw = raw_config(node_kustomization)
+    if config_key_known("daemonLifecycle"):
+        assert cfg.daemon_lifecycle == raw["daemonLifecycle"]
     plugin = cfg.device_plugin
     assert (cfg.pipe_dir, cfg.log_dir, cfg.state_dir) == (raw["pipeDir"], raw["logDir"], raw["stateDir"])
     assert (plugin.kubelet_dir, plugin.region_dir, plugin.shim_host_dir, plugin.shm_dir, plugin.ipc_mode) == (

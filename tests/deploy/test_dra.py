@@ -14,8 +14,7 @@ from lightkube.utils.quantity import parse_quantity
 
 from mpsd.dra import devices
 from mpsd.dra.slices import MIB, MIN_MEMORY_MIB
-from tests.deploy.conftest import REPO, config_text, one, rendered
-from tests.deploy.kustomize import KustomizeError, json_patch
+from tests.deploy.conftest import REPO, config_text, one, loadable, rendered
 
 DRA = "deploy/overlays/dra"
 EXAMPLES = REPO / "examples/dra"
@@ -117,16 +116,6 @@ def test_the_admission_policy_binds_slice_writes_to_the_writers_node() -> None:
         'variables.userNodeName != ""', "variables.userNodeName == variables.objectNodeName"]
 
 
-# --- the renderer's `test` op, which the DaemonSet patch leans on -------------------------
-
-def test_json_patch_test_op_passes_and_fails() -> None:
-    doc = {"l": [{"name": "a"}, {"name": "b"}]}
-    ops = [{"op": "test", "path": "/l/1/name", "value": "b"}, {"op": "remove", "path": "/l/1"}]
-    assert json_patch(doc, ops) == {"l": [{"name": "a"}]}
-    with pytest.raises(KustomizeError, match="JSON patch test /l/0/name: 'a' is not 'b'"):
-        json_patch(doc, [{"op": "test", "path": "/l/0/name", "value": "b"}])
-
-
 # --- examples/dra -------------------------------------------------------------------------
 
 def example_objects() -> list[tuple[str, dict[str, Any]]]:
@@ -209,7 +198,7 @@ def test_the_config_loads_with_mpsd_config(tmp_path: Path) -> None:
     from mpsd.errors import ConfigError
 
     path = tmp_path / "config.yaml"
-    path.write_text(config_text(rendered(DRA)))
+    path.write_text(loadable(config_text(rendered(DRA))))
     try:
         cfg = mpsd_config.load(str(path), {}, {})
     except ConfigError as e:

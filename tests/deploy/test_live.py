@@ -1,11 +1,15 @@
 """The shipped configs run: `mpsd run --config <each config in deploy/>` with the real
 nvidia-cuda-mps-control, answers the probes its manifest declares, and on SIGTERM exits 0,
-leaving no process behind, within the grace its manifest or unit gives it.
+leaving no process behind, within the grace its manifest or unit gives it. A config with
+`daemonLifecycle: independent` runs as its manifests run it: `mpsd holder` (the mpsd-holder
+DaemonSet) keeps the daemon, `mpsd run` adopts it; SIGTERM to mpsd leaves the daemon with its
+PID, and SIGTERM to the holder, within the holder's grace, leaves nothing.
 
 Host paths are redirected under a temporary directory with flags (flag > file), and the
 metrics port to a free local one; everything else comes from the shipped file."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.deploy.conftest import REPO, one, rendered
+from tests.deploy.conftest import REPO, one, rendered, skip_unless_config_knows
 from tests.deploy.test_systemd import get as unit_setting
 from tests.deploy.test_systemd import systemd_seconds
 
@@ -86,9 +91,23 @@ def wait_for(url: str, deadline_s: float) -> int:
     return code
 
 
+MPSD = [sys.executable, "-c", "import sys; from mpsd.cli import main; sys.exit(main())"]
+
+
+def holder_argv(config: Path, tmp: Path, binary: Path) -> list[str]:
+    """`mpsd holder` as the mpsd-holder DaemonSet runs it, host paths redirected as for mpsd."""
+    return [*MPSD, "holder", "--config", str(config), "--control-binary", str(binary),
+            "--pipe-dir", str(tmp / "pipe"), "--log-dir", str(tmp / "log")]
+
+
+def holder_grace() -> float:
+    spec = one(rendered("deploy"), "DaemonSet", "mpsd-holder")["spec"]["template"]["spec"]
+    return spec["terminationGracePeriodSeconds"]
+
+
 def mpsd_argv(config: Path, tmp: Path, binary: Path, port: int, fake_nvml: Path) -> list[str]:
     raw: dict[str, Any] = yaml.safe_load(config.read_text())
-    argv = [sys.executable, "-c", "import sys; from mpsd.cli import main; sys.exit(main())", "run",
+    argv = [*MPSD, "run",
             "--config", str(config), "--control-binary", str(binary),
             "--pipe-dir", str(tmp / "pipe"), "--log-dir", str(tmp / "log"), "--state-dir", str(tmp / "state"),
             "--metrics-address", f"127.0.0.1:{port}", "--nvml-library", str(fake_nvml)]
@@ -104,12 +123,55 @@ def test_shipped_config_runs_answers_its_probes_and_stops_in_time(
         case: str, tmp_path: Path, mps_control_binary: Path, fake_cuda_dir: Path, shim_lib: Path) -> None:
     config_rel, probes_of = CASES[case]
     probes, grace_s = probes_of()
+    skip_unless_config_knows((REPO / config_rel).read_text())
+    if yaml.safe_load((REPO / config_rel).read_text()).get("daemonLifecycle") == "independent":
+        with holding(REPO / config_rel, tmp_path, mps_control_binary) as daemon:
+            run_and_stop(REPO / config_rel, probes, grace_s, tmp_path, mps_control_binary, fake_cuda_dir, shim_lib)
+            assert daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE  # left running, same PID
+        return
+    children = run_and_stop(REPO / config_rel, probes, grace_s, tmp_path, mps_control_binary, fake_cuda_dir, shim_lib)
+    assert children, "mpsd started no control daemon"
+    psutil.wait_procs(children, timeout=5)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+@contextlib.contextmanager
+def holding(config: Path, tmp_path: Path, binary: Path) -> Iterator[psutil.Process]:
+    """`mpsd holder` with its daemon up (yields the daemon); SIGTERM at the end, which must stop
+    the holder and its daemon within the holder's grace, leaving nothing."""
+    if subprocess.run([*MPSD, "holder", "--help"], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("this mpsd has no `holder` subcommand yet (it comes with the daemon holder)")
+    log = open(tmp_path / "holder.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(holder_argv(config, tmp_path, binary), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "pipe" / "control").exists():
+            assert proc.poll() is None and time.monotonic() < end, (tmp_path / "holder.log").read_text()
+            time.sleep(0.2)
+        (daemon,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                     if Path(c.cmdline()[0]).name == binary.name]  # the control daemon, whoever forked it
+        yield daemon
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=holder_grace()) == 0, (tmp_path / "holder.log").read_text()
+        psutil.wait_procs([daemon], timeout=5)
+        assert not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def run_and_stop(config: Path, probes: list[str], grace_s: float, tmp_path: Path, mps_control_binary: Path,
+                 fake_cuda_dir: Path, shim_lib: Path) -> list[psutil.Process]:
+    """`mpsd run --config CONFIG` until its probes answer 200, then SIGTERM: exit 0 within
+    grace_s. Returns the processes it had started (they may have ended since)."""
     (tmp_path / "kubelet").mkdir()
     nvml_config = tmp_path / "nvml.conf"
     nvml_config.write_text("gpu 0 GPU-00000000-0000-0000-0000-000000000000 85899345920 0 9 0 0 Fake H100\n")
     port = free_port()
     env = {**os.environ, "FAKE_NVML_CONFIG": str(nvml_config), "MPSSHIM_LIBRARY": str(shim_lib)}
-    argv = mpsd_argv(REPO / config_rel, tmp_path, mps_control_binary, port, fake_cuda_dir / "libnvidia-ml.so.1")
+    argv = mpsd_argv(config, tmp_path, mps_control_binary, port, fake_cuda_dir / "libnvidia-ml.so.1")
     log = open(tmp_path / "mpsd.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -118,7 +180,6 @@ def test_shipped_config_runs_answers_its_probes_and_stops_in_time(
             assert wait_for(f"http://127.0.0.1:{port}{path}", 60) == 200, (path, (tmp_path / "mpsd.log").read_text())
         assert status(f"http://127.0.0.1:{port}/metrics") == 200
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert children, "mpsd started no control daemon"
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=grace_s)
@@ -130,5 +191,4 @@ def test_shipped_config_runs_answers_its_probes_and_stops_in_time(
         log.close()
     assert rc == 0, (tmp_path / "mpsd.log").read_text()
     assert took < grace_s
-    psutil.wait_procs(children, timeout=5)
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    return children

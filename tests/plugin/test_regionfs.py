@@ -146,3 +146,61 @@ def test_cli_bad_mode_is_exit_2_and_one_line(tmp_path, mode):
     proc = subprocess.run([sys.executable, "-m", "mpsd.plugin.regionfs", str(tmp_path / "r"), "1Mi", "--mode", mode],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "mode" in proc.stderr, proc.stderr
+
+
+def _mounts_at(path):
+    with open("/proc/self/mountinfo") as f:
+        return [m for m in regionfs.parse_mountinfo(f.read()) if m.mount_point == path]
+
+
+def test_two_mounters_of_one_path_make_one_mount(tmp_path):
+    # ipcMode tmpfs: mpsd's and the daemon holder's init containers both mount shmDir and may
+    # start at once. The check and the mount are done under a lock on the parent directory:
+    # here the test holds it, mounts as "the other pod" would, and lets go; the CLI, started
+    # while the lock was held, must then find that mount and add none on top of it.
+    import fcntl
+    import time
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path = str(tmp_path / "shm")
+    os.mkdir(path)
+    parent = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(parent, fcntl.LOCK_EX)
+    proc = subprocess.Popen([sys.executable, "-m", "mpsd.plugin.regionfs", path, "1Mi", "--inodes", "64",
+                             "--mode", "1777", "--label", "shmDir"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(1.0)  # room for an unlocked CLI to mount now; a locked one waits whatever the time
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", path],
+                                 capture_output=True, text=True, timeout=60)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+        os.close(parent)  # releases the lock
+        parent = -1
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert out.startswith(f"shmDir {path} is a tmpfs size=1024k ") and out.endswith(" already, left as it is\n")
+        assert len(_mounts_at(path)) == 1
+    finally:
+        if parent >= 0:
+            os.close(parent)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        while _mounts_at(path):
+            subprocess.run(["umount", path], check=True)
+
+
+def test_a_mounter_waits_for_the_lock_a_bounded_time(tmp_path):
+    import fcntl
+
+    path = str(tmp_path / "shm")
+    parent = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(parent, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(OSError, match="another mounter held the lock on its parent directory for 0.2s"):
+            regionfs.ensure_tmpfs(path, 1 << 20, lock_wait=0.2)
+    finally:
+        os.close(parent)
+    assert _mounts_at(path) == []

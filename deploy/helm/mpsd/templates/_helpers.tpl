@@ -1,0 +1,138 @@
+{{/*
+Labels of every object: app.kubernetes.io/name, as in the Kustomize tree, plus Helm's own. Pod
+templates and selectors carry only the Kustomize ones (selectors cannot change after install).
+*/}}
+{{- define "mpsd.labels" -}}
+app.kubernetes.io/name: mpsd
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+
+{{- define "mpsd.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/*
+mpsd's configuration (YAML): deploy/base/config.yaml, the `dra` section of
+deploy/overlays/dra/config.yaml in dra mode, what mode, ipcMode and holder.enabled decide, and
+.Values.config over all of it. Read back with `include "mpsd.config" . | fromYaml`. A setting
+that contradicts mode, ipcMode or holder.enabled, or a tmpfs outside stateDir, fails the
+render with one line.
+*/}}
+{{- define "mpsd.config" -}}
+{{- $cfg := .Files.Get "files/config.yaml" | fromYaml -}}
+{{- $dp := $cfg.devicePlugin -}}
+{{- $_ := set $dp "enabled" (eq .Values.mode "devicePlugin") -}}
+{{- $_ := set $dp "ipcMode" .Values.ipcMode -}}
+{{- if eq .Values.mode "dra" -}}
+{{- $_ := set $cfg "dra" (.Files.Get "files/dra-config.yaml" | fromYaml).dra -}}
+{{- end -}}
+{{- $_ := set $cfg "daemonLifecycle" (ternary "independent" "owned" .Values.holder.enabled) -}}
+{{- $want := deepCopy $cfg -}}
+{{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) -}}
+{{- if ne (toString $cfg.devicePlugin.enabled) (toString $want.devicePlugin.enabled) -}}
+{{- fail (printf "config.devicePlugin.enabled: %v contradicts mode %s; set mode (devicePlugin or dra) instead" $cfg.devicePlugin.enabled .Values.mode) -}}
+{{- end -}}
+{{- if ne (toString (dig "dra" "enabled" false $cfg)) (toString (eq .Values.mode "dra")) -}}
+{{- fail (printf "config.dra.enabled: %v contradicts mode %s; set mode (devicePlugin or dra) instead" (dig "dra" "enabled" false $cfg) .Values.mode) -}}
+{{- end -}}
+{{- if ne $cfg.devicePlugin.ipcMode .Values.ipcMode -}}
+{{- fail (printf "config.devicePlugin.ipcMode: %v contradicts ipcMode %s; set ipcMode (hostIPC or tmpfs) instead" $cfg.devicePlugin.ipcMode .Values.ipcMode) -}}
+{{- end -}}
+{{- if ne $cfg.daemonLifecycle $want.daemonLifecycle -}}
+{{- fail (printf "config.daemonLifecycle: %v contradicts holder.enabled %v (true: independent, false: owned)" $cfg.daemonLifecycle .Values.holder.enabled) -}}
+{{- end -}}
+{{- $state := printf "%s/" (trimSuffix "/" $cfg.stateDir) -}}
+{{- if not (hasPrefix $state $cfg.devicePlugin.regionDir) -}}
+{{- fail (printf "config.devicePlugin.regionDir: %v must be inside stateDir %v (its tmpfs is mounted there)" $cfg.devicePlugin.regionDir $cfg.stateDir) -}}
+{{- end -}}
+{{- if and (eq .Values.ipcMode "tmpfs") (not (hasPrefix $state $cfg.devicePlugin.shmDir)) -}}
+{{- fail (printf "config.devicePlugin.shmDir: %v must be inside stateDir %v (its tmpfs is mounted there)" $cfg.devicePlugin.shmDir $cfg.stateDir) -}}
+{{- end -}}
+{{- if not (regexMatch ":[0-9]+$" (toString $cfg.metricsAddress)) -}}
+{{- fail (printf "config.metricsAddress: %q: the probes and the Service need a host:port" (toString $cfg.metricsAddress)) -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end }}
+
+{{/* The port of config.metricsAddress (probes, container port, Service). */}}
+{{- define "mpsd.metricsPort" -}}
+{{- (include "mpsd.config" . | fromYaml).metricsAddress | splitList ":" | last -}}
+{{- end }}
+
+{{/* Where the pods run: nodes opted in, tolerating GPU taints (mpsd and the holder alike). */}}
+{{- define "mpsd.placement" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+priorityClassName: {{ .Values.priorityClassName }}
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        {{- toYaml .Values.nodeSelectorTerms | nindent 8 }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The NVIDIA runtime's variables: device nodes, driver libraries and MPS binaries. */}}
+{{- define "mpsd.nvidiaEnv" -}}
+- name: NVIDIA_VISIBLE_DEVICES
+  value: all
+- name: NVIDIA_DRIVER_CAPABILITIES
+  value: compute,utility
+{{- end }}
+
+{{/*
+An init container that mounts a size-limited tmpfs inside stateDir (privileged: mount(2) and
+Bidirectional propagation), as the Kustomize tree's region-tmpfs and shm-tmpfs.
+Arguments: dict "root" $ "name" "region-tmpfs" "path" PATH "tmpfs" (size, inodes) "shm" BOOL
+*/}}
+{{- define "mpsd.tmpfsInit" -}}
+{{- $cfg := include "mpsd.config" .root | fromYaml -}}
+- name: {{ .name }}
+  image: {{ include "mpsd.image" .root }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  command: {{ concat (list "python" "-m" "mpsd.plugin.regionfs" .path (toString .tmpfs.size) "--inodes" (toString .tmpfs.inodes)) (ternary (list "--mode" "1777" "--label" "shmDir") (list) .shm) | toJson }}
+  securityContext:
+    # privileged: mount(2) needs CAP_SYS_ADMIN and Bidirectional propagation
+    privileged: true
+    # root: mounting is root's
+    runAsUser: 0
+  resources:
+    requests:
+      cpu: 10m
+      memory: 32Mi
+    limits:
+      memory: 128Mi
+  volumeMounts:
+    - name: state-dir
+      mountPath: {{ $cfg.stateDir }}
+      mountPropagation: Bidirectional
+{{- end }}
+
+{{/*
+The daemon's capabilities and user, shared by mpsd's and the holder's containers (deploy/README.md,
+"Privileges"); SYS_ADMIN is added for exclusiveProcess (a compute-mode change is an admin call).
+*/}}
+{{- define "mpsd.securityContext" -}}
+# Not privileged: GPU access comes from the NVIDIA runtime (env above).
+privileged: false
+# root: the control daemon starts one server per client UID (fork, setuid, exec), and the
+# pipe, log and state dirs on the host are root's.
+runAsUser: 0
+runAsGroup: 0
+# no_new_privs: nothing here needs setuid binaries or file capabilities.
+allowPrivilegeEscalation: false
+# Drop everything, add back only: SETUID, SETGID (servers run as their client's UID/GIDs),
+# KILL (signal servers of other UIDs), CHOWN, FOWNER, DAC_OVERRIDE (files of other UIDs in the
+# pipe, log and region dirs), and SYS_ADMIN with exclusiveProcess (nvidia-smi -c).
+capabilities:
+  drop: ["ALL"]
+  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
+{{- end }}
