@@ -33,6 +33,8 @@ from ..plugin.response import HostPaths
 from ..plugin.servicer import fresh_dir, restore_region_dir
 from ..plugin.slicing import GpuLike, GpuShare, Plan
 from ..plugin.state import StateStore
+from ..sharing import Backend, SliceRequest
+from ..sharing.v2 import V2Backend
 from ..trees import remove_tree
 from . import cdi
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
@@ -124,8 +126,10 @@ class Preparer:
         store: StateStore,
         get_claim: GetClaim,
         dev_dir: str = "/dev",
+        backend: Backend | None = None,
     ) -> None:
         self.driver, self.node, self.pool = driver, node, pool
+        self.backend = backend or V2Backend(paths)  # what a claim becomes on this node (mpsd/sharing)
         self.gpus = list(gpus)
         self.slices_per_gpu = slices_per_gpu
         self.paths = paths
@@ -151,6 +155,7 @@ class Preparer:
                     self._ensure(rec)
                 except DraError as exc:  # answered again at the kubelet's next Prepare
                     log.error("prepared claim not restored claim=%s error=%s", rec.ref, exc)
+            self.backend.adopt([self.request(rec) for rec in self.prepared()])
             named = {rec.spec_name for rec in self.store.all()}
             for name in self.cdi.ours():
                 if name not in named:
@@ -248,6 +253,7 @@ class Preparer:
         self.step("directory")
         rec = replace(rec, region_dir=directory)
         try:
+            self.backend.grant(self.request(rec))
             self._write_spec(rec)
         except MpsdError as exc:
             self._rollback(rec)
@@ -329,6 +335,7 @@ class Preparer:
         if rec.region_dir:
             self._remove_dir(rec.region_dir)
         self.step("directory removed")
+        self.backend.release(rec.allocation_id)
 
     def _ensure(self, rec: PreparedClaim) -> None:
         """A prepared claim's directory and spec exist and the spec is what the record says."""
@@ -338,10 +345,14 @@ class Preparer:
             log.warning("CDI spec of a prepared claim missing or changed, written again claim=%s", rec.ref)
             self._write_spec(rec)
 
+    def request(self, rec: PreparedClaim) -> SliceRequest:
+        """What the claim asks of the node's sharing backend."""
+        return SliceRequest(rec.allocation_id, rec.plan, rec.region_dir, client_priority=rec.client_priority)
+
     def _spec(self, rec: PreparedClaim) -> dict:
         nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)
         return cdi.claim_spec(rec.uid, rec.plan, self.paths, rec.region_dir, client_priority=rec.client_priority,
-                              nodes=nodes)
+                              nodes=nodes, grant=self.backend.edits(self.request(rec)))
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

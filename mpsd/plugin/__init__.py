@@ -32,7 +32,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import PluginError
 from ..health import HealthBoard
@@ -41,7 +41,9 @@ from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_ident
 from .response import SHIM_NAME, HostPaths
 from .served import ServedSocket
 from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
-from .slicing import GpuLike, advertised_ids
+from ..sharing import Backend, SliceRequest
+from ..sharing.v2 import V2Backend
+from .slicing import GpuLike, Plan, advertised_ids, plan_allocation
 from .state import StateStore, install_file
 from .usage import UsageReader, UsageTracker, shim_usage
 
@@ -78,6 +80,8 @@ class DevicePlugin:
         gc_grace: float = 60.0,
         register_timeout: float = 5.0,
         wake_interval: float = 0.5,
+        backend: Backend | None = None,
+        memory_hard: Callable[[Plan], dict[int, int]] | None = None,
     ) -> None:
         advertised_ids(gpus, slices_per_gpu)  # validates N and the ID lengths up front
         check_resource_name(resource_name)
@@ -95,6 +99,8 @@ class DevicePlugin:
         self.usage_interval = usage_interval
         self.register_timeout = register_timeout
         self.store = StateStore(state_path)
+        self.backend = backend or V2Backend(paths)  # what a slice becomes on this node (mpsd/sharing)
+        self.memory_hard = memory_hard or (lambda plan: {})  # devicePlugin.memoryLimit: the burst limits
         self.tracker = UsageTracker(
             store=self.store,
             region_root=paths.region_dir,
@@ -104,6 +110,7 @@ class DevicePlugin:
             metrics=metrics,
             usage_reader=usage_reader,
             gc_grace=gc_grace,
+            on_release=self.backend.release,
         )
         self._stop = threading.Event()
         self.servicer = Servicer(
@@ -114,6 +121,8 @@ class DevicePlugin:
             store=self.store,
             stop=self._stop,
             wake_interval=wake_interval,
+            backend=self.backend,
+            request_for=self.request_for,
         )
         # streams hold a thread each while open: the pool has room for all of them and the short calls
         self._socket = ServedSocket(
@@ -150,6 +159,7 @@ class DevicePlugin:
                        "deploy/overlays/tmpfs")
         for allocation in self.store.all():
             restore_region_dir(allocation, self.paths.region_dir)
+        self.backend.adopt(self._requests())  # e.g. MPS v3: the namespaces of the journaled allocations
         self._socket.serve()
         self.check()
         loops = [("mpsd-plugin-watch", self._watch_loop)]
@@ -215,6 +225,25 @@ class DevicePlugin:
             self.socket_name,
             self.registrations,
         )
+
+    # -- the sharing backend -----------------------------------------------------------------
+
+    def request_for(self, plan: Plan, region_dir: str) -> SliceRequest:
+        """What Allocate asks the backend for: the plan, under the allocation's ID."""
+        return SliceRequest(plan.allocation_id, plan, region_dir, memory_hard=self.memory_hard(plan))
+
+    def _requests(self) -> list[SliceRequest]:
+        """The stored allocations as requests (their plans computed again from the device IDs;
+        one whose GPU is gone is left out with one line, and collected when no pod holds it)."""
+        requests = []
+        for a in self.store.all():
+            try:
+                plan = plan_allocation(list(a.device_ids), self.gpus, self.slices_per_gpu)
+            except PluginError as exc:
+                log.warning("stored allocation not given to the backend allocation=%s error=%s", a.allocation_id, exc)
+                continue
+            requests.append(self.request_for(plan, a.region_dir))
+        return requests
 
     # -- internals -------------------------------------------------------------------------
 
