@@ -175,12 +175,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     regions = exec_regions(config, metrics)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
     pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
+    backend, v3 = sharing_backend(config, inventory, gpus)
     supervisor = Supervisor(
         config,
         board,
         reload=reload,
         gpu_indices=pump.gpu_indices,
         on_status=_observer(metrics, pump),
+        v3=v3,
     )
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
@@ -190,8 +192,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
-    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
-    dra = _start_dra(config, board, metrics, gpus, stop_plugin) if config.dra.enabled else None
+    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin, backend) if config.device_plugin.enabled else None
+    dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
     try:
         return supervisor.run()
     finally:
@@ -250,22 +252,40 @@ def shim_library_path(config: cfg.Config) -> str:
         ) from exc
 
 
-def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+def sharing_backend(config: cfg.Config, inventory, gpus):
+    """The node's sharing backend (mpsd/sharing), chosen once; SetupError when mps.protocol 3 cannot be had."""
+    from .sharing.build import build, choose_for, describe
+
+    driver = None
+    if inventory is not None:
+        try:
+            driver = inventory.driver_version()
+        except InventoryError as exc:
+            log.warning("driver version unknown: %s", exc)
+    choice = choose_for(config, driver)
+    backend, v3 = build(config, choice, gpus)
+    log.info("sharing backend %s", describe(backend, choice))
+    return backend, v3
+
+
+def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event,
+                  backend=None) -> PluginRun:
     def load():
         from .plugin import run_plugin
 
         return run_plugin
 
-    return _start_service("device plugin", load, config, board, metrics, gpus, stop)
+    return _start_service("device plugin", load, config, board, metrics, gpus, stop, backend=backend)
 
 
-def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event,
+               backend=None) -> PluginRun:
     def load():
         from .dra.service import run_dra
 
         return run_dra
 
-    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus)
+    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus, backend=backend)
 
 
 def _start_service(

@@ -280,6 +280,7 @@ def run_plugin(
     shim_library: str,
     stop: threading.Event,
     state_dir: str | None = None,
+    backend: Backend | None = None,
 ) -> None:
     """Serve the device plugin until ``stop`` is set (see the module docstring)."""
     dp = getattr(config, "device_plugin", config)
@@ -304,6 +305,7 @@ def run_plugin(
         pod_resources_socket=dp.pod_resources_socket or None,
         metrics=metrics,
         usage_reader=functools.partial(shim_usage, library=shim_library),
+        backend=backend,
     )
     plugin.run(stop)
 

@@ -34,9 +34,10 @@ Which one a node uses is decided once at start (mpsd/sharing/detect.py, config `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Protocol
 
-from ..plugin.slicing import Plan
+if TYPE_CHECKING:  # not at import: mpsd.plugin imports this module
+    from ..plugin.slicing import Plan
 
 
 @dataclass(frozen=True)

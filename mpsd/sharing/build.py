@@ -1,0 +1,66 @@
+"""The node's backend from its config: which protocol (mpsd/sharing/detect.py), then the
+backend the faces call and, for MPS v3, what the supervisor does differently."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Sequence
+
+from ..control3 import Control3
+from ..plugin.response import HostPaths
+from ..plugin.slicing import GpuLike
+from . import Backend
+from .detect import Choice, choose
+from .v2 import V2Backend
+
+log = logging.getLogger(__name__)
+
+
+def host_paths(config) -> HostPaths:
+    dp = config.device_plugin
+    return HostPaths(pipe_dir=config.pipe_dir, region_dir=dp.region_dir, shim_host_dir=dp.shim_host_dir,
+                     ipc_mode=dp.ipc_mode, shm_dir=dp.shm_dir)
+
+
+def choose_for(config, driver_version: str | None) -> Choice:
+    return choose(config.mps.protocol, config.control_binary, driver_version)
+
+
+def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]]):
+    """(backend, V3Supervision or None) for ``choice``."""
+    paths = host_paths(config)
+    if choice.protocol == 2:
+        return V2Backend(paths), None
+    from .supervise3 import V3Supervision, default_limits
+    from .v3 import V3Backend
+
+    backend = V3Backend(
+        paths=paths,
+        control=lambda: Control3(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout),
+        gpus=gpus,
+        defaults=default_limits(config),
+        uid=None if os.geteuid() == 0 else os.geteuid(),
+    )
+    return backend, V3Supervision(backend, config)
+
+
+def describe(backend: Backend, choice: Choice) -> str:
+    return f"{backend.name} ({choice.reason})"
+
+
+def node_choice(config) -> Choice:
+    """The choice for this node as ``mpsd run`` would make it (NVML opened for the driver's
+    release, and closed again); SetupError when mps.protocol 3 cannot be had."""
+    from ..errors import InventoryError
+
+    driver = None
+    if config.mps.protocol != "2":
+        try:
+            from ..inventory import Inventory
+
+            with Inventory(library_path=config.nvml_library) as inventory:
+                driver = inventory.driver_version()
+        except (InventoryError, ImportError, OSError) as exc:
+            log.info("driver version unknown: %s", exc)
+    return choose_for(config, driver)
