@@ -194,9 +194,13 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     stop_plugin = threading.Event()
     plugin = _start_plugin(config, board, metrics, gpus, stop_plugin, backend) if config.device_plugin.enabled else None
     dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
+    if v3 is not None:
+        v3.start_background()
     try:
         return supervisor.run()
     finally:
+        if v3 is not None:
+            v3.stop_background()
         stop_plugin.set()
         for run in (plugin, dra):
             if run is not None and run.thread is not None:
@@ -263,7 +267,12 @@ def sharing_backend(config: cfg.Config, inventory, gpus):
         except InventoryError as exc:
             log.warning("driver version unknown: %s", exc)
     choice = choose_for(config, driver)
-    backend, v3 = build(config, choice, gpus)
+    nvml = None
+    if inventory is not None and choice.protocol == 3:
+        from .sharing.memory import NvmlLimits
+
+        nvml = NvmlLimits()
+    backend, v3 = build(config, choice, gpus, nvml)
     log.info("sharing backend %s", describe(backend, choice))
     return backend, v3
 

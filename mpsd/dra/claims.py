@@ -81,6 +81,7 @@ class ClaimPlan:
     plan: Plan  # the limits, as the device plugin computes them for a container
     client_priority: int | None
     pods: tuple[str, ...]  # names of the pods in reservedFor
+    pod_uids: tuple[str, ...] = ()  # their UIDs (the sharing backend finds their cgroups)
 
 
 def short(value: object, limit: int = 60) -> str:
@@ -269,8 +270,8 @@ def plan_claim(
     priority = client_config(_get(allocation, "devices", "config"), driver, ref)
     device_ids = tuple(sorted({f"{n.pool}/{n.device}" for n in names}))
     reserved = _get(claim, "status", "reservedFor")
-    pods = tuple(
-        str(c.get("name")) for c in (reserved if isinstance(reserved, list) else [])
-        if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")
-    )
-    return ClaimPlan(ref, tuple(names), _plan(takes, device_ids, ref), priority, pods)
+    consumers = [c for c in (reserved if isinstance(reserved, list) else [])
+                 if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")]
+    pods = tuple(str(c.get("name")) for c in consumers)
+    uids = tuple(str(c["uid"]) for c in consumers if isinstance(c.get("uid"), str) and c["uid"])
+    return ClaimPlan(ref, tuple(names), _plan(takes, device_ids, ref), priority, pods, uids)

@@ -27,20 +27,35 @@ def choose_for(config, driver_version: str | None) -> Choice:
     return choose(config.mps.protocol, config.control_binary, driver_version)
 
 
-def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]]):
-    """(backend, V3Supervision or None) for ``choice``."""
+def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]], nvml=None):
+    """(backend, V3Supervision or None) for ``choice``; ``nvml``: the memory-limit calls
+    (mpsd.sharing.memory.NvmlLimits) where NVML is loaded, None where it is not."""
     paths = host_paths(config)
     if choice.protocol == 2:
         return V2Backend(paths), None
+    from .memory import CgroupLimits
     from .supervise3 import V3Supervision, default_limits
     from .v3 import V3Backend
 
+    memory, problem = None, "NVML is not available"
+    if nvml is not None:
+        memory = CgroupLimits(nvml, config.mps.cgroup_root)
+        listed = list(gpus())
+        mig = {g.index: bool(getattr(g, "mig_enabled", False)) for g in listed}
+        problem = memory.available([g.index for g in listed], mig=lambda i: mig.get(i, False)) or (
+            "" if listed else "NVML lists no GPU")
+        if problem:
+            memory = None
+    log.info("memory partitioning by cgroup: %s", "available" if memory is not None else f"not used: {problem}")
     backend = V3Backend(
         paths=paths,
         control=lambda: Control3(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout),
         gpus=gpus,
         defaults=default_limits(config),
         uid=None if os.geteuid() == 0 else os.geteuid(),
+        shim=config.mps.shim,
+        memory=memory,
+        memory_problem=problem,
     )
     return backend, V3Supervision(backend, config)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,6 +100,24 @@ class V3Supervision:
         control = self.control()
         for server in control.server_list():
             control.namespace_set(server.name, "default", self.backend.defaults)
+
+    def start_background(self) -> None:
+        """The memory round's thread (NVML may block: never in the supervisor loop)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._memory_loop, name="mpsd-memory-limits", daemon=True)
+        self._thread.start()
+
+    def stop_background(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
+            self._thread.join(10)
+
+    def _memory_loop(self) -> None:
+        while not self._stop.wait(self.config.health_interval):
+            try:
+                self.backend.memory_round()
+            except Exception:  # the round must outlive any one failure
+                log.exception("memory limits round failed")
 
     def quit(self, wait: float) -> None:
         self.control(timeout=wait).quit(wait=wait)
