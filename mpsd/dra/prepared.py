@@ -64,6 +64,7 @@ class PreparedClaim:
     created: float
     pods: tuple[str, ...] = ()
     pod_uids: tuple[str, ...] = ()
+    memory_limit: int | None = None  # ClaimConfig memoryLimit: hard bytes per GPU (burst)
 
     @property
     def allocation_id(self) -> str:
@@ -112,6 +113,7 @@ class PreparedClaim:
             created=float(data["created"]),
             pods=tuple(str(p) for p in data.get("pods", ())),
             pod_uids=tuple(str(p) for p in data.get("pod_uids", ())),
+            memory_limit=None if data.get("memory_limit") is None else int(data["memory_limit"]),
         )
 
 
@@ -248,6 +250,7 @@ class Preparer:
             gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
             client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
             phase=PREPARED, created=time.time(), pods=planned.pods, pod_uids=planned.pod_uids,
+            memory_limit=planned.memory_limit,
         )
         try:
             directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
@@ -350,8 +353,9 @@ class Preparer:
 
     def request(self, rec: PreparedClaim) -> SliceRequest:
         """What the claim asks of the node's sharing backend."""
+        hard = {} if rec.memory_limit is None else {g.ordinal: rec.memory_limit for g in rec.gpus}
         return SliceRequest(rec.allocation_id, rec.plan, rec.region_dir, client_priority=rec.client_priority,
-                            pod_uids=rec.pod_uids)
+                            pod_uids=rec.pod_uids, memory_hard=hard)
 
     def _spec(self, rec: PreparedClaim) -> dict:
         nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)

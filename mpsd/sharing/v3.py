@@ -105,6 +105,10 @@ class V3Backend:
             mounts.append(Mount(self.paths.shm_dir, "/dev/shm", False))
         return Grant(env, tuple(mounts))
 
+    def burst_problem(self) -> str:
+        """"" where a hard limit above the guarantee can be enforced (the driver's soft limit)."""
+        return self.memory_problem
+
     def shim(self, request: SliceRequest) -> bool:
         """Whether a slice keeps the shim: ``auto`` drops it only where the driver limits the
         memory of the slice's one pod (its cgroup set at grant), as the shim would."""

@@ -28,8 +28,9 @@ from mpsd.sharing.memory import NvmlLimits, cgroup_v2_path, pod_cgroup_candidate
 from mpsd.sharing.toml3 import namespace_name
 
 from ..dra.conftest import Claims, claim, result
-from ..inventory.conftest import fake_nvml_lib  # noqa: F401 (fixture)
+
 from ..plugin.conftest import allocate, gpus, stub
+from .conftest import wait_for
 from .test_v3_node import GPUS, node, plugin, up  # noqa: F401 (fixtures)
 
 GIB = 1 << 30
@@ -234,8 +235,8 @@ def test_a_device_plugin_container_is_limited_once_its_client_connects(nvml, nod
     assert backend.memory_round() == []  # no client yet: nothing known
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
         client.connect(os.path.join(reply.envs["CUDA_MPS_PIPE_DIRECTORY"], "control"))
-        notes = backend.memory_round()
-    assert any(str(mine) in n for n in notes)
+        notes: list[str] = []
+        assert wait_for(lambda: notes.extend(backend.memory_round()) or any(str(mine) in n for n in notes))
     assert inventory.memory_limits(1, str(mine))[:2] == (4 * GIB, 4 * GIB)
     dp.tracker.collect(dp.store.all())
     assert inventory.memory_limits(1, str(mine))[:2] == (0, MAX)
