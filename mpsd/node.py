@@ -258,7 +258,7 @@ def shim_library_path(config: cfg.Config) -> str:
 
 def sharing_backend(config: cfg.Config, inventory, gpus):
     """The node's sharing backend (mpsd/sharing), chosen once; SetupError when mps.protocol 3 cannot be had."""
-    from .sharing.build import build, choose_for, describe
+    from .sharing.build import build, choose_for, describe, record
 
     driver = None
     if inventory is not None:
@@ -274,6 +274,7 @@ def sharing_backend(config: cfg.Config, inventory, gpus):
         nvml = NvmlLimits()
     backend, v3 = build(config, choice, gpus, nvml)
     log.info("sharing backend %s", describe(backend, choice))
+    record(config.state_dir, backend, choice)  # for mpsd status
     return backend, v3
 
 

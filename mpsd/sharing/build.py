@@ -79,3 +79,43 @@ def node_choice(config) -> Choice:
         except (InventoryError, ImportError, OSError) as exc:
             log.info("driver version unknown: %s", exc)
     return choose_for(config, driver)
+
+
+SHARING_FILE = "sharing.json"
+
+
+def record(state_dir: str, backend: Backend, choice: Choice) -> dict:
+    """What ``mpsd status`` shows of the running node's backend: written once at start into stateDir."""
+    import json
+
+    from ..plugin.state import write_atomic
+
+    memory_problem = getattr(backend, "memory_problem", None)
+    if choice.protocol == 2:
+        memory = "the shim per container and the MPS server per client (v2)"
+    elif memory_problem:
+        memory = f"the namespace per client and the shim (the driver does not: {memory_problem})"
+    else:
+        memory = "the driver per cgroup (soft = guarantee, hard = limit); the shim where a slice's cgroup is not known"
+    data = {"backend": backend.name, "protocol": choice.protocol, "reason": choice.reason, "memory": memory,
+            "shim": config_shim(backend)}
+    try:
+        write_atomic(os.path.join(state_dir, SHARING_FILE), json.dumps(data, indent=1).encode())
+    except Exception as exc:  # status only: never a reason not to serve
+        log.warning("%s not written: %s", SHARING_FILE, exc)
+    return data
+
+
+def config_shim(backend: Backend) -> str:
+    return getattr(backend, "shim_mode", "on (v2: always)")
+
+
+def read_record(state_dir: str) -> dict:
+    import json
+
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
