@@ -157,6 +157,11 @@ def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(printable(f"{args.file}: ok"))
         for s in cfg.SETTINGS:
             print(printable(f"  {s.key} = {cfg.format_value(config, s.key)}"))
+    from .sharing.build import node_choice
+
+    choice = node_choice(config)  # SetupError (exit 1) where mps.protocol 3 cannot be had
+    print(printable(f"sharing backend on this node: MPS v{choice.protocol} ({choice.reason})"),
+          file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -16,11 +16,13 @@ from typing import Any, Callable, Mapping
 
 from . import yamlfile
 from .errors import ConfigError
-from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage
+from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage, parse_size
 
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 IPC_MODES = ("hostIPC", "tmpfs")
+PROTOCOLS = ("auto", "2", "3")
+SHIM_MODES = ("auto", "on", "off")
 
 
 # ------------------------------------------------ value parsers (raise ValueError with the accepted form)
@@ -174,6 +176,35 @@ def _driver_name(value: Any) -> str:
     raise ValueError("a DNS subdomain of at most 63 lower-case characters with a dot, e.g. gpu.mpsd.io")
 
 
+def _memory_limit(value: Any) -> str:
+    """devicePlugin.memoryLimit: "" (no burst), a percentage of the GPU ("50%") or a size ("40G")."""
+    accepted = 'a size such as 40G, a percentage of the GPU such as 50%, or "" for none'
+    if value is None or value == "":
+        return ""
+    if isinstance(value, str) and value.endswith("%"):
+        try:
+            if 0 < float(value[:-1]) <= 100:
+                return value
+        except ValueError:
+            pass
+        raise ValueError(accepted)
+    try:
+        if isinstance(value, str) and parse_size(value) > 0:
+            return value
+    except ConfigError:
+        pass
+    raise ValueError(accepted)
+
+
+def _protocol(value: Any) -> str:
+    """mps.protocol: auto, 2 or 3 (YAML may give the numbers as integers)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if value in PROTOCOLS:
+        return value
+    raise ValueError(" | ".join(PROTOCOLS))
+
+
 def _log_level(value: Any) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
@@ -264,6 +295,16 @@ SETTINGS: tuple[Setting, ...] = (
             "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
     Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm",
             "tmpfs mode: host tmpfs mounted as /dev/shm in daemon and pods"),
+    Setting("devicePlugin.memoryLimit", "memory-limit", _memory_limit, "",
+            "burst: a container's hard GPU memory limit above its slices (the guarantee): "
+            "40G, or 50%% of the GPU; MPS v3 with memory partitioning only"),
+    # the sharing backend (mpsd/sharing, docs/mps-v3.md)
+    Setting("mps.protocol", "mps-protocol", _protocol, "auto",
+            "auto (MPS v3 where the control binary and driver R615+ have it, else v2) | 2 | 3"),
+    Setting("mps.shim", "mps-shim", _choice(SHIM_MODES), "auto",
+            "auto (the shim only where the driver does not enforce and report memory) | on | off"),
+    Setting("mps.cgroupRoot", "cgroup-root", _path, "/sys/fs/cgroup",
+            "cgroup v2 mount: pods' cgroups whose GPU memory the driver limits (MPS v3)"),
     # DRA: regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu (slices mode) are the device plugin's
     Setting("dra.enabled", "dra", _bool, False,
             "serve the DRA kubelet plugin (ResourceClaims prepared with CDI specs)"),
@@ -298,6 +339,7 @@ class DevicePluginConfig:
     shim_host_dir: str
     ipc_mode: str
     shm_dir: str
+    memory_limit: str = ""
 
 
 @dataclass(frozen=True)
@@ -308,6 +350,13 @@ class DraConfig:
     plugins_dir: str = "/var/lib/kubelet/plugins"
     registry_dir: str = "/var/lib/kubelet/plugins_registry"
     cdi_dir: str = "/var/run/cdi"
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    protocol: str = "auto"
+    shim: str = "auto"
+    cgroup_root: str = "/sys/fs/cgroup"
 
 
 @dataclass(frozen=True)
@@ -335,6 +384,7 @@ class Config:
     fault_policy: str
     device_plugin: DevicePluginConfig
     dra: DraConfig = field(default_factory=DraConfig)
+    mps: MpsConfig = field(default_factory=MpsConfig)
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:
@@ -386,9 +436,10 @@ def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, objec
         except ValueError as exc:
             raise ConfigError(f"{origin[s.key]}: {s.key}: expected {exc}, got {_show(raw[s.key])}") from None
     top = {s.attr: values[s.key] for s in SETTINGS if "." not in s.key}
+    mps = MpsConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("mps.")})
     plugin = DevicePluginConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("devicePlugin.")})
     dra = DraConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("dra.")})
-    return Config(**top, device_plugin=plugin, dra=dra, source=path)
+    return Config(**top, device_plugin=plugin, dra=dra, mps=mps, source=path)
 
 
 def read_file(path: str) -> dict[str, Any]:

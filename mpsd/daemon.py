@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from . import config as cfg
 from .errors import SetupError
@@ -38,8 +38,8 @@ _DIE_WITH_PARENT = (
 )
 
 
-def daemon_command(binary: str) -> list[str]:
-    """The command line that becomes ``BINARY -f`` (through _DIE_WITH_PARENT on Linux)."""
+def daemon_command(binary: str, args: Sequence[str] = ()) -> list[str]:
+    """The command line that becomes ``BINARY -f ARGS`` (through _DIE_WITH_PARENT on Linux)."""
     path = shutil.which(binary)
     if path is None:
         raise SetupError(
@@ -47,16 +47,22 @@ def daemon_command(binary: str) -> list[str]:
             "expected a name on PATH or an absolute path"
         )
     if not sys.platform.startswith("linux") or not sys.executable:
-        return [path, "-f"]
-    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f"]
+        return [path, "-f", *args]
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f", *args]
 
 
 class DaemonProcess:
     """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log. It is
     killed by the kernel if the thread that started it (the supervisor loop) dies."""
 
-    def __init__(self, config: cfg.Config, on_exit: Callable[["DaemonProcess", int], None]) -> None:
-        env = dict(os.environ)
+    def __init__(
+        self,
+        config: cfg.Config,
+        on_exit: Callable[["DaemonProcess", int], None],
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        extra_env, env = env or {}, dict(os.environ)  # args, env: the sharing backend's (MPS v3: -p 3 -a FILE)
         env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
         env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
         env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -69,9 +75,10 @@ class DaemonProcess:
         if config.visible_devices:
             env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and NVML number them
+        env.update(extra_env)
         try:
             self.proc = subprocess.Popen(
-                daemon_command(config.control_binary),
+                daemon_command(config.control_binary, args),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -85,7 +92,9 @@ class DaemonProcess:
         self.returncode: int | None = None
         self.retired_because = ""  # why the supervisor killed it, if it did
         self._log_path = os.path.join(config.log_dir, "control.log")
-        threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
+        self.last_line = ""  # the daemon's last line of output (why it exited at start, say)
+        self._pump_thread = threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True)
+        self._pump_thread.start()
         threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
         log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
 
@@ -98,6 +107,7 @@ class DaemonProcess:
             for line in self.proc.stdout:
                 out.write(line)
                 text = line.decode(errors="replace").rstrip()
+                self.last_line = text[:300] or self.last_line
                 level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
                 log.log(level, "daemon pid=%d says %s", self.pid, text)
         out.close()
@@ -105,6 +115,11 @@ class DaemonProcess:
     def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:
         self.returncode = self.proc.wait()
         on_exit(self, self.returncode)
+
+    def said(self, timeout: float = 1.0) -> str:
+        """``: <its last line>`` once its output is read to the end (bounded), "" if it said nothing."""
+        self._pump_thread.join(timeout)
+        return f": {' '.join(self.last_line.split())}" if self.last_line else ""
 
     def alive(self) -> bool:
         return self.returncode is None and self.proc.poll() is None

@@ -89,3 +89,8 @@ class KubeAPIError(MpsdError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class BackendError(MpsdError):
+    """The node's sharing backend (mpsd/sharing) cannot give a slice: a namespace the MPS v3
+    daemon refused, a memory limit the driver refused or the backend cannot enforce."""

@@ -175,12 +175,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     regions = exec_regions(config, metrics)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
     pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
+    backend, v3 = sharing_backend(config, inventory, gpus)
     supervisor = Supervisor(
         config,
         board,
         reload=reload,
         gpu_indices=pump.gpu_indices,
         on_status=_observer(metrics, pump),
+        v3=v3,
     )
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
@@ -190,11 +192,15 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
-    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
-    dra = _start_dra(config, board, metrics, gpus, stop_plugin) if config.dra.enabled else None
+    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin, backend) if config.device_plugin.enabled else None
+    dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
+    if v3 is not None:
+        v3.start_background()
     try:
         return supervisor.run()
     finally:
+        if v3 is not None:
+            v3.stop_background()
         stop_plugin.set()
         for run in (plugin, dra):
             if run is not None and run.thread is not None:
@@ -250,22 +256,46 @@ def shim_library_path(config: cfg.Config) -> str:
         ) from exc
 
 
-def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+def sharing_backend(config: cfg.Config, inventory, gpus):
+    """The node's sharing backend (mpsd/sharing), chosen once; SetupError when mps.protocol 3 cannot be had."""
+    from .sharing.build import build, choose_for, describe, record
+
+    driver = None
+    if inventory is not None:
+        try:
+            driver = inventory.driver_version()
+        except InventoryError as exc:
+            log.warning("driver version unknown: %s", exc)
+    choice = choose_for(config, driver)
+    nvml = None
+    if inventory is not None and choice.protocol == 3:
+        from .sharing.memory import NvmlLimits
+
+        nvml = NvmlLimits()
+    backend, v3 = build(config, choice, gpus, nvml)
+    log.info("sharing backend %s", describe(backend, choice))
+    record(config.state_dir, backend, choice)  # for mpsd status
+    return backend, v3
+
+
+def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event,
+                  backend=None) -> PluginRun:
     def load():
         from .plugin import run_plugin
 
         return run_plugin
 
-    return _start_service("device plugin", load, config, board, metrics, gpus, stop)
+    return _start_service("device plugin", load, config, board, metrics, gpus, stop, backend=backend)
 
 
-def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event,
+               backend=None) -> PluginRun:
     def load():
         from .dra.service import run_dra
 
         return run_dra
 
-    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus)
+    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus, backend=backend)
 
 
 def _start_service(

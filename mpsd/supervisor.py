@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import dirs, drift, peer
 from .computemode import ComputeMode
@@ -34,6 +34,9 @@ from .health import HealthBoard
 from .reload import DEFAULT_KEYS, _early_reloads, hold_reloads, merge_live  # noqa: F401 (hold_reloads: mpsd.cli)
 from .snapshot import Status
 from .units import format_limits
+
+if TYPE_CHECKING:
+    from .sharing.supervise3 import V3Supervision
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,10 @@ class Supervisor:
         reload: Callable[[], Config] | None = None,
         gpu_indices: Callable[[], list[int]] = list,
         on_status: Callable[[Status], None] | None = None,
+        v3: "V3Supervision | None" = None,
     ) -> None:
         self.config = c = config
+        self.v3 = v3  # an MPS v3 daemon (mpsd/sharing/supervise3.py); None: v2's interactive shell
         self.board = board
         self._reload = reload
         self._gpu_indices = gpu_indices
@@ -161,7 +166,7 @@ class Supervisor:
         self._publish(state="starting", restarts=status.restarts + (0 if first else 1))
         try:
             dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-            self._daemon = DaemonProcess(self.config, self._exited_cb)
+            self._daemon = DaemonProcess(self.config, self._exited_cb, **(self.v3.daemon_options() if self.v3 else {}))
         except SetupError as exc:
             if first:
                 raise
@@ -171,8 +176,11 @@ class Supervisor:
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
-            apply_defaults(self.control(), self.config)
-            limit_early_servers(self.control(), self.config)
+            if self.v3 is not None:
+                self.v3.configure(self.config)
+            else:
+                apply_defaults(self.control(), self.config)
+                limit_early_servers(self.control(), self.config)
         except (ControlError, ConfigureError) as exc:
             daemon, self._daemon = self._daemon, None
             daemon.kill()
@@ -196,9 +204,9 @@ class Supervisor:
         control = self.control()
         while True:
             if not daemon.alive():
-                raise ControlError(f"control daemon exited at start with status {daemon.proc.poll()}")
+                raise ControlError(f"control daemon exited at start with status {daemon.proc.poll()}{daemon.said()}")
             try:
-                control.get_server_list()
+                self.v3.ping() if self.v3 is not None else control.get_server_list()
                 return
             except ControlTimeout:
                 raise
@@ -239,6 +247,8 @@ class Supervisor:
     def _health_check(self) -> None:
         daemon = self._daemon
         assert daemon is not None
+        if self.v3 is not None:
+            return self.v3.health_check(self, daemon)
         control = self.control()
         began = time.monotonic()
         unreachable = dirs.client_socket_problem(Path(self.config.pipe_dir))
@@ -370,7 +380,10 @@ class Supervisor:
         the daemon was busy (tried again at the next health check), None if it was retired."""
         assert self._daemon is not None
         try:
-            apply_defaults(self.control(), self.config, previous=self._applied)
+            if self.v3 is not None:
+                self.v3.apply_defaults(self.config)
+            else:
+                apply_defaults(self.control(), self.config, previous=self._applied)
         except ControlBusy as exc:
             message = f"new defaults not applied yet, trying again at the next health check: {exc}"
             log.error("%s", message)
@@ -391,7 +404,10 @@ class Supervisor:
             limit = self.config.shutdown_timeout
             started = time.monotonic()
             try:
-                self.control().quit(timeout_s=max(1, math.ceil(limit)), wait=limit)
+                if self.v3 is not None:
+                    self.v3.quit(wait=limit)
+                else:
+                    self.control().quit(timeout_s=max(1, math.ceil(limit)), wait=limit)
             except ControlError as exc:
                 log.warning("quit failed pid=%d error=%s", daemon.pid, exc)
             remaining = max(0.0, limit - (time.monotonic() - started))

@@ -27,8 +27,10 @@ import stat
 from typing import Iterable
 
 from ..errors import DraError
-from ..plugin.response import HostPaths, container_env, container_mounts
+from ..plugin.response import HostPaths
 from ..plugin.slicing import Plan
+from ..sharing import Grant, SliceRequest
+from ..sharing.v2 import V2Backend
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +75,17 @@ def claim_spec(
     *,
     client_priority: int | None = None,
     nodes: Iterable[str] = (),
+    grant: Grant | None = None,
 ) -> dict:
     """The CDI spec of one prepared claim: every container of the claim gets the same region
     directory (one cap for all of its processes), the pipe directory read-only, the shim
     read-only, the MPS limits and the GPU (NVIDIA_VISIBLE_DEVICES, as the device plugin's
-    Allocate gives it, and the device nodes)."""
-    env = container_env(plan, paths.pipe_dir, client_priority=client_priority)
-    mounts = [_mount(m.host_path, m.container_path, read_only=m.read_only)
-              for m in container_mounts(plan, paths, region_dir)]  # the device plugin's, as CDI mounts
+    Allocate gives it, and the device nodes). ``grant``: the node's sharing backend's edits
+    (mpsd/sharing); without it, MPS v2's."""
+    if grant is None:
+        grant = V2Backend(paths).edits(SliceRequest(uid, plan, region_dir, client_priority=client_priority))
+    env = grant.env
+    mounts = [_mount(m.host, m.container, read_only=m.read_only) for m in grant.mounts]  # as CDI mounts
     edits = {
         "env": [f"{k}={v}" for k, v in sorted(env.items())],
         "mounts": mounts,

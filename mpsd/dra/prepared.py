@@ -33,6 +33,8 @@ from ..plugin.response import HostPaths
 from ..plugin.servicer import fresh_dir, restore_region_dir
 from ..plugin.slicing import GpuLike, GpuShare, Plan
 from ..plugin.state import StateStore
+from ..sharing import Backend, SliceRequest
+from ..sharing.v2 import V2Backend
 from ..trees import remove_tree
 from . import cdi
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
@@ -61,6 +63,8 @@ class PreparedClaim:
     phase: str
     created: float
     pods: tuple[str, ...] = ()
+    pod_uids: tuple[str, ...] = ()
+    memory_limit: int | None = None  # ClaimConfig memoryLimit: hard bytes per GPU (burst)
 
     @property
     def allocation_id(self) -> str:
@@ -86,6 +90,7 @@ class PreparedClaim:
         data["results"] = [asdict(r) for r in self.results]
         data["gpus"] = [asdict(g) for g in self.gpus]
         data["pods"] = list(self.pods)
+        data["pod_uids"] = list(self.pod_uids)
         return data
 
     @classmethod
@@ -107,6 +112,8 @@ class PreparedClaim:
             phase=str(data["phase"]),
             created=float(data["created"]),
             pods=tuple(str(p) for p in data.get("pods", ())),
+            pod_uids=tuple(str(p) for p in data.get("pod_uids", ())),
+            memory_limit=None if data.get("memory_limit") is None else int(data["memory_limit"]),
         )
 
 
@@ -124,8 +131,10 @@ class Preparer:
         store: StateStore,
         get_claim: GetClaim,
         dev_dir: str = "/dev",
+        backend: Backend | None = None,
     ) -> None:
         self.driver, self.node, self.pool = driver, node, pool
+        self.backend = backend or V2Backend(paths)  # what a claim becomes on this node (mpsd/sharing)
         self.gpus = list(gpus)
         self.slices_per_gpu = slices_per_gpu
         self.paths = paths
@@ -142,6 +151,7 @@ class Preparer:
         """Converge after a restart: re-create what a prepared claim lost, and remove specs and claim
         directories of ours that no record names (a crash before the record was written)."""
         with self.lock:
+            self.backend.adopt([self.request(rec) for rec in self.prepared()])  # before the specs: they follow it
             for rec in self.store.all():
                 if rec.phase != PREPARED:
                     log.warning("claim record of phase %r rolled back claim=%s uid=%s", rec.phase, rec.ref, rec.uid)
@@ -239,7 +249,8 @@ class Preparer:
             uid=ref.uid, namespace=ref.namespace, name=ref.name, results=planned.results,
             gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
             client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
-            phase=PREPARED, created=time.time(), pods=planned.pods,
+            phase=PREPARED, created=time.time(), pods=planned.pods, pod_uids=planned.pod_uids,
+            memory_limit=planned.memory_limit,
         )
         try:
             directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
@@ -248,6 +259,7 @@ class Preparer:
         self.step("directory")
         rec = replace(rec, region_dir=directory)
         try:
+            self.backend.grant(self.request(rec))
             self._write_spec(rec)
         except MpsdError as exc:
             self._rollback(rec)
@@ -329,6 +341,7 @@ class Preparer:
         if rec.region_dir:
             self._remove_dir(rec.region_dir)
         self.step("directory removed")
+        self.backend.release(rec.allocation_id)
 
     def _ensure(self, rec: PreparedClaim) -> None:
         """A prepared claim's directory and spec exist and the spec is what the record says."""
@@ -338,10 +351,16 @@ class Preparer:
             log.warning("CDI spec of a prepared claim missing or changed, written again claim=%s", rec.ref)
             self._write_spec(rec)
 
+    def request(self, rec: PreparedClaim) -> SliceRequest:
+        """What the claim asks of the node's sharing backend."""
+        hard = {} if rec.memory_limit is None else {g.ordinal: rec.memory_limit for g in rec.gpus}
+        return SliceRequest(rec.allocation_id, rec.plan, rec.region_dir, client_priority=rec.client_priority,
+                            pod_uids=rec.pod_uids, memory_hard=hard)
+
     def _spec(self, rec: PreparedClaim) -> dict:
         nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)
         return cdi.claim_spec(rec.uid, rec.plan, self.paths, rec.region_dir, client_priority=rec.client_priority,
-                              nodes=nodes)
+                              nodes=nodes, grant=self.backend.edits(self.request(rec)))
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

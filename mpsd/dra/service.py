@@ -73,7 +73,7 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
-          metrics=None, shim_library: str | None = None) -> DraPlugin:
+          metrics=None, shim_library: str | None = None, backend=None) -> DraPlugin:
     """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
     series every 10 s (regions read through ``shim_library``)."""
     dp, dra = config.device_plugin, config.dra
@@ -82,7 +82,7 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
     preparer = Preparer(
         driver=dra.driver_name, node=node, pool=node, gpus=gpus, slices_per_gpu=dp.slices_per_gpu, paths=paths,
         cdi_dir=CdiDir(dra.cdi_dir), store=StateStore(os.path.join(state_dir, STATE_FILE), record=PreparedClaim),
-        get_claim=get_claim,
+        get_claim=get_claim, backend=backend,
     )
     usage = None
     if metrics is not None:
@@ -102,8 +102,10 @@ def run_dra(
     state_dir: str | None = None,
     api=None,
     gpu_lister: Callable[[], Sequence[GpuLike]] | None = None,
+    backend=None,
 ) -> None:
-    """Serve the DRA plugin until ``stop`` is set (see the module docstring)."""
+    """Serve the DRA plugin until ``stop`` is set (see the module docstring); ``backend``: the
+    node's sharing backend (mpsd/sharing), MPS v2's when None."""
     state_dir = state_dir or config.state_dir
     own_api = api is None
     if own_api:
@@ -113,7 +115,7 @@ def run_dra(
     node = node_name()
     try:
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
-                       node=node, metrics=metrics, shim_library=shim_library)
+                       node=node, metrics=metrics, shim_library=shim_library, backend=backend)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         publisher = SlicePublisher(api, config.dra.driver_name, node, config.dra.mode,

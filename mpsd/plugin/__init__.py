@@ -32,7 +32,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .. import grpcready  # noqa: F401  (first: one line, not a traceback, if grpcio is too old)
 from ..errors import PluginError
@@ -42,7 +42,10 @@ from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_ident
 from .response import SHIM_NAME, HostPaths
 from .served import ServedSocket
 from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
-from .slicing import GpuLike, advertised_ids
+from ..sharing import Backend, SliceRequest
+from ..sharing.burst import burst_limits
+from ..sharing.v2 import V2Backend
+from .slicing import GpuLike, Plan, advertised_ids, plan_allocation
 from .state import StateStore, install_file
 from .usage import UsageReader, UsageTracker, shim_usage
 
@@ -79,6 +82,8 @@ class DevicePlugin:
         gc_grace: float = 60.0,
         register_timeout: float = 5.0,
         wake_interval: float = 0.5,
+        backend: Backend | None = None,
+        memory_hard: Callable[[Plan], dict[int, int]] | None = None,
     ) -> None:
         advertised_ids(gpus, slices_per_gpu)  # validates N and the ID lengths up front
         check_resource_name(resource_name)
@@ -96,6 +101,8 @@ class DevicePlugin:
         self.usage_interval = usage_interval
         self.register_timeout = register_timeout
         self.store = StateStore(state_path)
+        self.backend = backend or V2Backend(paths)  # what a slice becomes on this node (mpsd/sharing)
+        self.memory_hard = memory_hard or (lambda plan: {})  # devicePlugin.memoryLimit: the burst limits
         self.tracker = UsageTracker(
             store=self.store,
             region_root=paths.region_dir,
@@ -105,6 +112,7 @@ class DevicePlugin:
             metrics=metrics,
             usage_reader=usage_reader,
             gc_grace=gc_grace,
+            on_release=self.backend.release,
         )
         self._stop = threading.Event()
         self.servicer = Servicer(
@@ -115,6 +123,8 @@ class DevicePlugin:
             store=self.store,
             stop=self._stop,
             wake_interval=wake_interval,
+            backend=self.backend,
+            request_for=self.request_for,
         )
         # streams hold a thread each while open: the pool has room for all of them and the short calls
         self._socket = ServedSocket(
@@ -151,6 +161,7 @@ class DevicePlugin:
                        "deploy/overlays/tmpfs")
         for allocation in self.store.all():
             restore_region_dir(allocation, self.paths.region_dir)
+        self.backend.adopt(self._requests())  # e.g. MPS v3: the namespaces of the journaled allocations
         self._socket.serve()
         self.check()
         loops = [("mpsd-plugin-watch", self._watch_loop)]
@@ -217,6 +228,25 @@ class DevicePlugin:
             self.registrations,
         )
 
+    # -- the sharing backend -----------------------------------------------------------------
+
+    def request_for(self, plan: Plan, region_dir: str) -> SliceRequest:
+        """What Allocate asks the backend for: the plan, under the allocation's ID."""
+        return SliceRequest(plan.allocation_id, plan, region_dir, memory_hard=self.memory_hard(plan))
+
+    def _requests(self) -> list[SliceRequest]:
+        """The stored allocations as requests (their plans computed again from the device IDs;
+        one whose GPU is gone is left out with one line, and collected when no pod holds it)."""
+        requests = []
+        for a in self.store.all():
+            try:
+                plan = plan_allocation(list(a.device_ids), self.gpus, self.slices_per_gpu)
+            except PluginError as exc:
+                log.warning("stored allocation not given to the backend allocation=%s error=%s", a.allocation_id, exc)
+                continue
+            requests.append(self.request_for(plan, a.region_dir))
+        return requests
+
     # -- internals -------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
@@ -252,6 +282,7 @@ def run_plugin(
     shim_library: str,
     stop: threading.Event,
     state_dir: str | None = None,
+    backend: Backend | None = None,
 ) -> None:
     """Serve the device plugin until ``stop`` is set (see the module docstring)."""
     dp = getattr(config, "device_plugin", config)
@@ -276,7 +307,12 @@ def run_plugin(
         pod_resources_socket=dp.pod_resources_socket or None,
         metrics=metrics,
         usage_reader=functools.partial(shim_usage, library=shim_library),
+        backend=backend,
+        memory_hard=burst_limits(getattr(dp, "memory_limit", ""), gpus),
     )
+    if getattr(dp, "memory_limit", "") and plugin.backend.burst_problem():
+        raise PluginError(f"devicePlugin.memoryLimit {dp.memory_limit} cannot be enforced on this node: "
+                          f"{plugin.backend.burst_problem()}")
     plugin.run(stop)
 
 

@@ -10,14 +10,16 @@ import secrets
 import stat
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
-from ..errors import PluginError
+from ..errors import BackendError, PluginError
 from ..health import HealthBoard, HealthState
+from ..sharing import Backend, Grant, SliceRequest
+from ..sharing.v2 import V2Backend
 from . import api_pb2, api_pb2_grpc
-from .response import HostPaths, container_response
+from .response import HostPaths
 from .slicing import GpuLike, Plan, plan_allocation, preferred_allocation, slice_id
 from .state import Allocation, StateStore
 
@@ -50,8 +52,12 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         stop: threading.Event,
         wake_interval: float = 0.5,
         max_streams: int = MAX_STREAMS,
+        backend: Backend | None = None,
+        request_for: Callable[[Plan, str], SliceRequest] | None = None,
     ) -> None:
         self.gpus = sorted(gpus, key=lambda g: g.index)
+        self.backend = backend or V2Backend(paths)  # what a slice becomes on this node (mpsd/sharing)
+        self.request_for = request_for or (lambda plan, region_dir: SliceRequest(plan.allocation_id, plan, region_dir))
         self.max_streams = max_streams
         self._streams = 0
         self._streams_lock = threading.Lock()
@@ -132,7 +138,11 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         try:
             allocations = self.record_all(plans)
             for plan, allocation in zip(plans, allocations, strict=True):
-                response.container_responses.append(container_response(plan, self.paths, allocation.region_dir))
+                grant = self.backend.grant(self.request_for(plan, allocation.region_dir))
+                response.container_responses.append(allocate_response(grant))
+        except BackendError as exc:  # refused by the node's backend (a limit it cannot enforce, a namespace)
+            log.error("Allocate refused by the %s backend error=%s", self.backend.name, exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except PluginError as exc:  # the node's side: regionDir full, the state not writable
             log.error("Allocate failed error=%s", exc)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -177,6 +187,14 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
 
     def _fresh_dir(self, allocation_id: str) -> str:
         return fresh_dir(self.paths.region_dir, allocation_id)
+
+
+def allocate_response(grant: Grant) -> api_pb2.ContainerAllocateResponse:
+    """A backend's grant as the kubelet takes it: environment and mounts."""
+    return api_pb2.ContainerAllocateResponse(
+        envs=grant.env,
+        mounts=[api_pb2.Mount(container_path=m.container, host_path=m.host, read_only=m.read_only) for m in grant.mounts],
+    )
 
 
 def fresh_dir(region_dir: str, prefix: str) -> str:

@@ -122,8 +122,10 @@ class UsageTracker:
         usage_reader: UsageReader = shim_usage,
         region_name: str = "region",
         gc_grace: float = 60.0,
+        on_release: Callable[[str], None] = lambda allocation_id: None,
     ) -> None:
         self.store = store
+        self.on_release = on_release  # the sharing backend's release (mpsd/sharing)
         self.region_root = os.path.abspath(region_root)
         self.resource_name = resource_name
         self.gpu_index = dict(gpu_index)
@@ -230,6 +232,10 @@ class UsageTracker:
 
     def _release(self, a: Allocation) -> None:
         log.info("allocation released allocation=%s devices=%s", a.allocation_id, ",".join(a.device_ids))
+        try:
+            self.on_release(a.allocation_id)
+        except MpsdError as exc:  # e.g. a namespace the daemon would not delete: its next start drops it
+            log.warning("backend release failed allocation=%s error=%s", a.allocation_id, exc)
         if os.path.dirname(os.path.abspath(a.region_dir)) == self.region_root:
             self._remove(a.region_dir, f"allocation {a.allocation_id} released")  # else swept later
         else:  # never delete outside regionDir, whatever the state file says

@@ -42,3 +42,16 @@ def build_fake_nvml(out_dir: Path) -> Path:
 def build_fakes(out_dir: Path) -> Path:
     """Build every fake driver into out_dir."""
     return _make("all", out_dir)
+
+
+def install_fake_mps_v3(out_dir: Path) -> Path:
+    """An executable ``nvidia-cuda-mps-control`` in out_dir that runs the MPS v3 stand-in
+    (tests/fakes/mps_control_v3.py) with this interpreter."""
+    import sys
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "nvidia-cuda-mps-control"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKES_DIR / "mps_control_v3.py"}" "$@"\n')
+    path.chmod(0o755)
+    return path

@@ -19,6 +19,11 @@
  *   fail <function> <nvml_error_code>        that exported function returns that code
  *                                            (nvmlInit* too: init then fails)
  *   nomig <gpu_index>                        nvmlDeviceGetMigMode → NOT_SUPPORTED (pre-Ampere)
+ *   memlimits <state_file>                   memory partitioning by cgroup is available (R615+,
+ *                                            cgroup v2): nvmlDevice{Set,Get}MemoryLimits_v1 keep
+ *                                            their limits in <state_file>, shared by every process
+ *                                            (fake_nvml_limits.c); without it they answer
+ *                                            NOT_SUPPORTED
  *
  * Errors: FAKE_NVML_CONFIG unset, or its file unreadable → nvmlInit* returns
  * NVML_ERROR_DRIVER_NOT_LOADED (9), as the real library does on a machine without the
@@ -33,24 +38,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fake_nvml.h"
+
 #define FAKE_EXPORT __attribute__((visibility("default")))
 #define FAKE_MAX_GPUS 16
 #define FAKE_MAX_PROCS 256
 #define FAKE_MAX_FAILS 32
 
-typedef int nvmlReturn_t;
-enum {
-    NVML_SUCCESS = 0,
-    NVML_ERROR_UNINITIALIZED = 1,
-    NVML_ERROR_INVALID_ARGUMENT = 2,
-    NVML_ERROR_NOT_SUPPORTED = 3,
-    NVML_ERROR_NOT_FOUND = 6,
-    NVML_ERROR_INSUFFICIENT_SIZE = 7,
-    NVML_ERROR_DRIVER_NOT_LOADED = 9,
-    NVML_ERROR_GPU_IS_LOST = 15,
-    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
-    NVML_ERROR_UNKNOWN = 999,
-};
 
 struct nvmlDevice_st {
     unsigned int index;
@@ -63,7 +57,6 @@ struct nvmlDevice_st {
     unsigned int mig;
     int mig_supported;
 };
-typedef struct nvmlDevice_st *nvmlDevice_t;
 
 typedef struct {
     unsigned long long total;
@@ -111,6 +104,7 @@ static unsigned int g_nprocs;
 static struct fake_fail g_fails[FAKE_MAX_FAILS];
 static unsigned int g_nfails;
 static char g_driver[80];
+static char g_memlimits[1024];
 
 static int parse_u64(const char *s, unsigned long long *out)
 {
@@ -211,7 +205,13 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         g_gpus[idx].mig_supported = 0;
         return NULL;
     }
-    return "unknown directive (gpu, proc, compute, driver, fail, nomig)";
+    if (strcmp(w[0], "memlimits") == 0) {
+        if (n != 2 || strlen(w[1]) >= sizeof(g_memlimits))
+            return "memlimits needs one state file path";
+        copy_str(g_memlimits, sizeof(g_memlimits), w[1]);
+        return NULL;
+    }
+    return "unknown directive (gpu, proc, compute, driver, fail, nomig, memlimits)";
 }
 
 /* Reads the file into the tables; called with g_lock held. */
@@ -223,6 +223,7 @@ static nvmlReturn_t load_config(void)
     FILE *f;
 
     g_ngpus = g_nprocs = g_nfails = 0;
+    g_memlimits[0] = '\0';
     copy_str(g_driver, sizeof(g_driver), "0.0.fake");
     if (path == NULL || (f = fopen(path, "r")) == NULL)
         return NVML_ERROR_DRIVER_NOT_LOADED;
@@ -285,6 +286,27 @@ static struct nvmlDevice_st *device(nvmlDevice_t handle)
     if (handle < &g_gpus[0] || handle >= &g_gpus[g_ngpus])
         return NULL;
     return handle;
+}
+
+/* For the other files of the fake (fake_nvml.h). */
+nvmlReturn_t fake_nvml_enter(const char *function)
+{
+    return enter(function);
+}
+
+int fake_nvml_device(nvmlDevice_t handle, unsigned int *index, unsigned int *mig)
+{
+    struct nvmlDevice_st *d = device(handle);
+    if (d == NULL)
+        return -1;
+    *index = d->index;
+    *mig = d->mig;
+    return 0;
+}
+
+const char *fake_nvml_memlimits(void)
+{
+    return g_memlimits[0] ? g_memlimits : NULL;
 }
 
 static nvmlReturn_t do_init(const char *function)
