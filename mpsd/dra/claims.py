@@ -10,10 +10,12 @@ For one claim and this driver and node:
 - the results of this driver (``status.allocation.devices.results[]``) name devices of this
   node's pool: ``gpu-<index>`` (capacity mode) or ``gpu-<index>-slice-<k>`` (slices mode);
 - what a result consumed (``consumedCapacity``: ``memory`` in bytes, ``compute`` in percent of
-  the SMs; quantities read as the API server reads them, mpsd/dra/quantity.py) becomes the container's pinned
-  memory limit and active thread percentage. What it did not ask for is derived from the other, in proportion to the device: ``memory: 4Gi`` of
-  an 80 GiB GPU gives 5 % compute (rounded up to a hundredth), ``compute: 25`` gives a quarter
-  of its memory (rounded down to a MiB); neither gives the whole GPU. A slice ``k`` of N gives
+  the SMs, at least 1 as the slices' validRange says: less would reach MPS as 0 %; quantities
+  read as the API server reads them, mpsd/dra/quantity.py) becomes the container's pinned
+  memory limit and active thread percentage. What it did not ask for is derived from the
+  other, in proportion to the device: ``memory: 4Gi`` of an 80 GiB GPU gives 5 % compute
+  (rounded up to a hundredth), ``compute: 25`` gives a quarter of its memory (rounded down to
+  a MiB); neither gives the whole GPU. A slice ``k`` of N gives
   the device plugin's share of slice k (mpsd.plugin.slicing) and 100/N %. Several results on
   one GPU add up; over several GPUs the largest percentage is taken (MPS has one per client),
   as for the device plugin;
@@ -42,6 +44,7 @@ CONFIG_KIND = "ClaimConfig"
 CONFIG_FIELDS = ("apiVersion", "kind", "clientPriority")
 CAPACITIES = (MEMORY, COMPUTE)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+MIN_COMPUTE = 1  # percent: the slices' validRange min (below it MPS would be given 0 %)
 
 
 @dataclass(frozen=True)
@@ -172,8 +175,9 @@ def _consumed(result: Mapping, gpu: GpuLike, where: str) -> tuple[int, float]:
     total = gpu.memory_total
     if memory is not None and not MIB <= memory <= total:
         raise DraError(f"{where}: consumed memory {consumed['memory']} is outside 1Mi..{total} (the device's bytes)")
-    if compute is not None and not 0 < compute <= 100:
-        raise DraError(f"{where}: consumed compute {consumed['compute']} is outside (0, 100] percent of the SMs")
+    if compute is not None and not MIN_COMPUTE <= compute <= 100:
+        raise DraError(f"{where}: consumed compute {consumed['compute']} is outside [{MIN_COMPUTE}, 100] percent "
+                       "of the SMs (the published validRange)")
     if memory is None and compute is None:
         return total // MIB * MIB, 100.0
     if memory is None:

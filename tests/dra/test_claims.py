@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -142,6 +143,15 @@ def test_another_pool_is_refused():
 ])
 def test_consumed_capacity_beyond_the_device_is_refused(memory, compute, match):
     _bad(claim(results=[result(memory=memory, compute=compute)]), match)
+
+
+@pytest.mark.parametrize("memory", [None, "4Gi"])
+@pytest.mark.parametrize("compute", ["1n", "1m", "0.001", "0.5", "999m"])
+def test_compute_below_one_percent_is_refused_not_prepared_as_zero(memory, compute):
+    # 1m alone used to give CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=0 and a 0=0 memory limit; the
+    # slices publish compute with validRange min 1, so no scheduler allocates less
+    _bad(claim(results=[result(memory=memory, compute=compute)]),
+         re.escape(f"consumed compute {compute} is outside [1, 100] percent of the SMs"))
 
 
 def test_results_above_the_gpu_together_are_refused():
