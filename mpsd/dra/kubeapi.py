@@ -11,9 +11,10 @@ and config loading:
 - else the pod's service account (token, CA and namespace under
   /var/run/secrets/kubernetes.io/serviceaccount, server from KUBERNETES_SERVICE_HOST/PORT).
 
-Every call is bounded by ``timeout`` seconds for each of connect, send, wait and read.
-Every failure becomes :class:`mpsd.errors.KubeAPIError` with a one-line message naming the
-call, and ``status`` set to the HTTP status of an answer (404, 409 ...).
+Every call is bounded in total by ``timeout`` seconds (connect, send, wait and read together,
+whatever the server trickles) and its answer by ``max_answer`` bytes, both enforced at the
+socket (mpsd/dra/bounded.py). Every failure becomes :class:`mpsd.errors.KubeAPIError` with a
+one-line message naming the call, and ``status`` set to the HTTP status of an answer (404, 409 ...).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import httpx2
 import msgspec
 import yaml
 from lightkube import ApiError, Client
+from lightkube.config.client_adapter import verify_cluster
 from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
@@ -35,12 +37,17 @@ from lightkube.generic_resource import create_global_resource, create_namespaced
 from lightkube.resources.core_v1 import Node
 
 from ..errors import KubeAPIError, one_line
+from .bounded import AnswerRefused, BoundedTransport, bounded
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION = "resource.k8s.io", "v1"
 API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_TIMEOUT = 10.0
+# An object is at most ~1.5 MiB in etcd (its request limit), a few MiB as JSON; this node's
+# ResourceSlices are a few hundred KiB: 8 MiB leaves room and keeps 8 calls at once far from
+# the daemon's memory.
+MAX_ANSWER = 8 << 20
 FIELD_MANAGER = "mpsd"
 ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourceslices")
 ResourceClaim = create_namespaced_resource(GROUP, VERSION, "ResourceClaim", "resourceclaims")
@@ -83,20 +90,28 @@ def _service_account_config(account: Path, environ: Mapping[str, str]) -> KubeCo
 class KubeAPI:
     """The calls the DRA driver makes. ``close()`` (or ``with``) ends the connection pool."""
 
-    def __init__(self, config: KubeConfig, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, config: KubeConfig, timeout: float = DEFAULT_TIMEOUT, max_answer: int = MAX_ANSWER) -> None:
         if not timeout > 0:
             raise KubeAPIError(f"bad API server timeout {timeout!r}: expected seconds > 0")
-        self.timeout = timeout
+        self.timeout, self.max_answer = timeout, max_answer
         try:
-            self._client = Client(config, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, trust_env=True)
+            single = config.get()
+            if single is None or single.user is None:
+                raise KubeAPIError("bad API server configuration: no current context with a user")
+            # the pool of the transport is what bounds each call, so it carries the TLS settings
+            # that lightkube would otherwise give httpx
+            transport = BoundedTransport(verify_cluster(single.cluster, single.user, single.abs_file))
+            self._client = Client(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER,
+                                  trust_env=True, transport=transport)
             server = self._client.config.cluster.server
         except (LightkubeConfigError, OSError, ValueError, TypeError) as e:
             raise KubeAPIError(f"cannot set up the API server client: {one_line(e)}") from e
-        log.info("kube api client server=%s timeout=%s", server, timeout)
+        log.info("kube api client server=%s timeout=%s max_answer=%d", server, timeout, max_answer)
 
     @classmethod
-    def from_environment(cls, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] = os.environ) -> KubeAPI:
-        return cls(load_config(environ), timeout)
+    def from_environment(cls, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] = os.environ,
+                         max_answer: int = MAX_ANSWER) -> KubeAPI:
+        return cls(load_config(environ), timeout, max_answer)
 
     def close(self) -> None:
         self._client.close()
@@ -135,13 +150,16 @@ class KubeAPI:
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
-            return fn()
+            with bounded(self.timeout, self.max_answer):
+                return fn()
+        except AnswerRefused as e:
+            raise KubeAPIError(f"{what}: refused the API server's {e}") from e
         except ApiError as e:
             code = e.response.status_code if e.response is not None else None
             reason = getattr(e.status, "reason", None) or "error"
             raise KubeAPIError(f"{what}: API server answered {code} {reason}: {one_line(e)}", code) from e
         except httpx2.TimeoutException as e:
-            raise KubeAPIError(f"{what}: no answer from the API server within {self.timeout:g}s") from e
+            raise KubeAPIError(f"{what}: no answer from the API server within {self.timeout:g}s (the whole call)") from e
         except httpx2.HTTPError as e:
             raise KubeAPIError(f"{what}: cannot reach the API server: {one_line(e) or type(e).__name__}") from e
         except (LightkubeConfigError, OSError) as e:
