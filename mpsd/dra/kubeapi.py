@@ -124,17 +124,30 @@ class KubeAPI:
 
     def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         what = f"get ResourceClaim {namespace}/{name}"
-        return self._call(what, lambda: self._client.get(ResourceClaim, name, namespace=namespace).to_dict())
+        claim = self._call(what, lambda: self._client.get(ResourceClaim, name, namespace=namespace).to_dict())
+        if not isinstance(claim, dict):
+            raise KubeAPIError(f"{what}: unexpected answer from the API server: not an object")
+        return claim
 
     def get_node_uid(self, name: str) -> str:
         """metadata.uid of the Node ``name`` (the owner of its ResourceSlices)."""
-        return self._call(f"get Node {name}", lambda: str(self._client.get(Node, name).metadata.uid))
+        what = f"get Node {name}"
+        uid = self._call(what, lambda: self._client.get(Node, name).metadata.uid)
+        if not isinstance(uid, str) or not uid:
+            raise KubeAPIError(f"{what}: unexpected answer from the API server: no metadata.uid")
+        return uid
 
     def list_resource_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
-        """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName)."""
+        """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName),
+        each with the fields the publisher reads in the shapes it expects (KubeAPIError otherwise)."""
         fields = {"spec.driver": driver, "spec.nodeName": node}
         what = f"list ResourceSlices of driver {driver} on node {node}"
-        return self._call(what, lambda: [o.to_dict() for o in self._client.list(ResourceSlice, fields=fields)])
+        items = self._call(what, lambda: [o.to_dict() for o in self._client.list(ResourceSlice, fields=fields)])
+        for i, item in enumerate(items):
+            problem = slice_shape_error(item)
+            if problem:
+                raise KubeAPIError(f"{what}: unexpected answer from the API server: items[{i}]: {problem}")
+        return items
 
     def create_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         what = f"create ResourceSlice {_name(obj)}"
@@ -166,6 +179,35 @@ class KubeAPI:
             raise KubeAPIError(f"{what}: {one_line(e) or type(e).__name__}") from e
         except (ValueError, msgspec.MsgspecError) as e:  # an answer that is not JSON
             raise KubeAPIError(f"{what}: unreadable answer from the API server: {one_line(e)}") from e
+        except (TypeError, AttributeError, KeyError) as e:  # JSON of another shape than lightkube decodes
+            raise KubeAPIError(f"{what}: unexpected answer from the API server: {type(e).__name__}: "
+                               f"{one_line(e)[:200]}") from e
+
+
+def slice_shape_error(obj: Any) -> str | None:
+    """What is wrong with a listed ResourceSlice where the publisher reads it, or None."""
+    if not isinstance(obj, dict):
+        return f"not an object but {type(obj).__name__}"
+    meta, spec = obj.get("metadata"), obj.get("spec")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        return "metadata.name is not a name"
+    if not isinstance(spec, dict) or not isinstance(spec.get("pool"), dict):
+        return "spec.pool is not an object"
+    pool = spec["pool"]
+    if not isinstance(pool.get("name"), str):
+        return "spec.pool.name is not a string"
+    for key in ("generation", "resourceSliceCount"):
+        if not isinstance(pool.get(key), int) or isinstance(pool.get(key), bool):
+            return f"spec.pool.{key} is not an integer"
+    devices = spec.get("devices")
+    if devices is not None and not isinstance(devices, list):
+        return "spec.devices is not a list"
+    for j, device in enumerate(devices or []):
+        if not isinstance(device, dict) or not isinstance(device.get("name"), str):
+            return f"spec.devices[{j}] is not a named device"
+        if device.get("capacity") is not None and not isinstance(device["capacity"], dict):
+            return f"spec.devices[{j}].capacity is not an object"
+    return None
 
 
 def _name(obj: dict[str, Any]) -> str:

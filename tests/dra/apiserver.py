@@ -12,6 +12,7 @@ process, as small as the driver needs, speaking the API's paths, status objects 
 - Faults: ``delay`` (seconds before each answer), ``refuse`` (close the connection without
   an answer), ``stop()``/``start()`` (nothing listens on the port), ``fail`` (answer the next
   requests of a method with these status codes; None serves one normally).
+- ``raw``: method -> bodies of its next answers, sent as they are with status 200 (any shape).
 - Misbehaving answers (``fault``, for every request while set): ``trickle`` (headers, then a
   space every ``fault_interval`` s, forever: JSON allows leading whitespace, so the answer is
   never complete and never wrong), ``trickle-headers`` (the status line, then a header byte at
@@ -111,6 +112,7 @@ class StandInAPIServer:
         self.delay = 0.0
         self.refuse = False
         self.fail: dict[str, list[int | None]] = {}  # method -> status codes of its next requests (None: serve)
+        self.raw: dict[str, list[bytes]] = {}  # method -> bodies of its next answers (200), as they are
         self.fault: str | None = None  # see the module docstring
         self.fault_interval = 0.05
         self.fault_bytes = 64 << 20
@@ -275,7 +277,7 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
             with server.lock:
                 server.arrived += 1
             server.wait_delay()
-            if server.refuse:
+            if server.refuse or server._stopping.is_set():  # stopped: a kept-alive connection is dropped too
                 self.close_connection = True
                 return
             if server.fault:
@@ -296,7 +298,10 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
                     code, body = 400, status(400, "BadRequest", "body is not JSON")
                 else:
                     code, body = server.answer(self.command, self.path, obj)
-            data = json.dumps(body).encode()
+            with server.lock:
+                planted = server.raw[self.command].pop(0) if server.raw.get(self.command) else None
+            data = json.dumps(body).encode() if planted is None else planted
+            code = code if planted is None else 200
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

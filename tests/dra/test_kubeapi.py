@@ -3,6 +3,7 @@ account, the calls the driver makes, and every failure as one KubeAPIError line.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 import tracemalloc
@@ -267,3 +268,55 @@ def test_the_answer_cap_and_the_deadline_cover_a_whole_call(apiserver: StandInAP
     with KubeAPI.from_environment(timeout=30) as api:  # a fresh budget for each call
         for _ in range(3):
             assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
+
+
+GOOD_SLICE = {"metadata": {"name": "node-a-gpu.mpsd.io-x"},
+              "spec": {"pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1}, "devices": []}}
+MALFORMED_LISTS = [
+    b"[]", b'"text"', b"null", b"7", b'{"kind": "ResourceSliceList"}', b'{"items": 5}', b'{"items": [5]}',
+    b'{"items": [{}]}', b'{"items": [{"metadata": {"name": 7}, "spec": {}}]}',
+    b'{"items": [{"metadata": {"name": "a"}}]}', b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": 1}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": "1", '
+    b'"resourceSliceCount": 1}}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1}}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": {"gpu-0": {}}}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": [7]}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": [{"name": "gpu-0", "capacity": []}]}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": [{"capacity": {}}]}}]}',
+    b'{"items": [', b"",
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED_LISTS, ids=range(len(MALFORMED_LISTS)))
+def test_a_malformed_slice_list_is_one_line(apiserver: StandInAPIServer, kubeconfig: Path, body: bytes) -> None:
+    apiserver.raw["GET"] = [body]
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.list_resource_slices("gpu.mpsd.io", "node-a")
+    assert "list ResourceSlices of driver gpu.mpsd.io on node node-a" in one_line_error(excinfo)
+    assert "unexpected answer from the API server" in str(excinfo.value) or "unreadable" in str(excinfo.value)
+
+
+def test_a_slice_list_of_the_expected_shape_passes(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    apiserver.raw["GET"] = [json.dumps({"items": [GOOD_SLICE]}).encode()]
+    with KubeAPI.from_environment(timeout=30) as api:
+        assert api.list_resource_slices("gpu.mpsd.io", "node-a") == [GOOD_SLICE]
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"metadata": 5}', b'{"metadata": {"uid": 5}}', b"null"])
+def test_a_malformed_node_or_claim_is_one_line(apiserver: StandInAPIServer, kubeconfig: Path, body: bytes) -> None:
+    with KubeAPI.from_environment(timeout=30) as api:
+        apiserver.raw["GET"] = [body]
+        with pytest.raises(KubeAPIError) as excinfo:
+            api.get_node_uid("node-a")
+        assert "get Node node-a" in one_line_error(excinfo)
+        apiserver.raw["GET"] = [body]
+        try:
+            got = api.get_resource_claim("team-a", "llm-gpu")
+        except KubeAPIError as e:
+            assert "get ResourceClaim team-a/llm-gpu" in str(e) and "\n" not in str(e)
+        else:
+            assert isinstance(got, dict)  # claims.plan_claim checks every field it reads
