@@ -10,6 +10,7 @@ import logging
 import os
 from typing import Callable, Iterable, Mapping
 
+from ..logonce import OncePerKey
 from ..metrics import ClaimUsage
 from ..plugin.usage import UsageReader
 from .prepared import PreparedClaim
@@ -38,7 +39,7 @@ class ClaimUsageReader:
 
     def __init__(self, prepared: Callable[[], list[PreparedClaim]], reader: UsageReader, metrics) -> None:
         self.prepared, self.reader, self.metrics = prepared, reader, metrics
-        self._warned: set[str] = set()
+        self._warned = OncePerKey()
 
     def tick(self) -> list[ClaimUsage]:
         claims = self.prepared()
@@ -55,7 +56,6 @@ class ClaimUsageReader:
         except Exception as exc:  # a pod's damaged region must not stop the others
             if self.metrics is not None:  # a claim's region is an allocation directory's (the plugin's core)
                 self.metrics.region_refused("allocation", exc)  # every round, as the device plugin counts
-            if path not in self._warned:
-                self._warned.add(path)
+            if self._warned.first(path):
                 log.warning("cannot read usage claim=%s/%s path=%s error=%s", claim.namespace, claim.name, path, exc)
             return {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from ..errors import MpsdError, PluginError
+from ..logonce import OncePerKey
 from ..metrics import AllocationUsage
 from ..trees import remove_tree
 from .kubelet import Holder, list_holders
@@ -132,7 +133,7 @@ class UsageTracker:
         self.usage_reader = usage_reader
         self.region_name = region_name
         self.gc_grace = gc_grace
-        self._warned: set[str] = set()
+        self._warned = OncePerKey()
         self._missing_since: dict[str, float] = {}
         self._unnamed_since: dict[str, float] = {}  # directory name -> first round no allocation named it
 
@@ -264,7 +265,6 @@ class UsageTracker:
             return {}
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
+        if self._warned.first(key):
             log.warning(msg, *args)
 
