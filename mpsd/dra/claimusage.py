@@ -11,7 +11,7 @@ import os
 from typing import Callable, Iterable, Mapping
 
 from ..logonce import OncePerKey
-from ..metrics import ClaimUsage
+from .metrics import ClaimUsage
 from ..plugin.usage import UsageReader
 from .prepared import PreparedClaim
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Mapping
 
 from ..errors import MpsdError, PluginError
 from ..logonce import OncePerKey
-from ..metrics import AllocationUsage
+from .metrics import AllocationUsage
 from ..trees import remove_tree
 from .kubelet import Holder, list_holders
 from .slicing import allocation_id
