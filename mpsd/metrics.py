@@ -116,7 +116,7 @@ def _probe(check: Probe) -> tuple[bool, str]:
     with the error as reason."""
     try:
         result = check()
-    except Exception as e:  # a broken probe must answer 503, not drop the connection
+    except Exception as e:  # noqa: BLE001 - a broken probe must answer 503, not drop the connection
         log.warning("probe raised error=%r", e)
         return False, f"probe failed: {e}"
     if isinstance(result, tuple):
@@ -139,7 +139,7 @@ class Server:
 
     def __init__(self, httpd: _HTTPServer) -> None:
         self._httpd = httpd
-        self.host: str = httpd.server_address[0]
+        self.host: str = str(httpd.server_address[0])  # an IPv4 or IPv6 address
         self.port: int = httpd.server_address[1]
         self._thread = threading.Thread(
             target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="mpsd-metrics", daemon=True

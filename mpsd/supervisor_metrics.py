@@ -151,7 +151,7 @@ class SupervisorMetrics(Families):
     def set_faulted_servers(self, count: int) -> None:
         self.mps_servers_faulted.set(count)
 
-    def set_mps_servers(self, per_gpu: Mapping[int | str, int]) -> None:
+    def set_mps_servers(self, per_gpu: Mapping[int, int] | Mapping[str, int]) -> None:
         with self._lock:
             self._replace(self.mps_servers, {(str(gpu),): float(n) for gpu, n in per_gpu.items()})
 
@@ -252,7 +252,7 @@ class SupervisorMetrics(Families):
             cap[key] = float(row.cap_bytes)
             used[key] = float(row.used_bytes)
             for pid, nbytes in row.processes:
-                per_process[(*key, str(pid))] = float(nbytes)
+                per_process[key + (str(pid),)] = float(nbytes)
         with self._lock:
             self._replace(self.region_cap, cap)
             self._replace(self.region_used, used)

@@ -178,11 +178,11 @@ def _consumed(result: Mapping, gpu: GpuLike, where: str) -> tuple[int, float]:
     if compute is not None and not MIN_COMPUTE <= compute <= 100:
         raise DraError(f"{where}: consumed compute {consumed['compute']} is outside [{MIN_COMPUTE}, 100] percent "
                        "of the SMs (the published validRange)")
-    if memory is None and compute is None:
-        return total // MIB * MIB, 100.0
     if memory is None:
+        if compute is None:
+            return total // MIB * MIB, 100.0
         memory = total * compute / 100
-    if compute is None:
+    elif compute is None:
         compute = Fraction(math.ceil(memory * 10000 / total), 100)  # up to a hundredth: never below the share
     return int(memory) // MIB * MIB, min(100.0, float(compute))
 

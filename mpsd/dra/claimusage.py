@@ -53,7 +53,7 @@ class ClaimUsageReader:
         path = os.path.join(claim.region_dir, REGION_NAME)
         try:
             return self.reader(path)
-        except Exception as exc:  # a pod's damaged region must not stop the others
+        except Exception as exc:  # noqa: BLE001 - a pod's damaged region must not stop the others
             if self.metrics is not None:  # a claim's region is an allocation directory's (the plugin's core)
                 self.metrics.region_refused("allocation", exc)  # every round, as the device plugin counts
             if self._warned.first(path):

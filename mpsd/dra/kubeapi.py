@@ -132,7 +132,7 @@ class KubeAPI:
     def get_node_uid(self, name: str) -> str:
         """metadata.uid of the Node ``name`` (the owner of its ResourceSlices)."""
         what = f"get Node {name}"
-        uid = self._call(what, lambda: self._client.get(Node, name).metadata.uid)
+        uid = self._call(what, lambda: getattr(self._client.get(Node, name).metadata, "uid", None))
         if not isinstance(uid, str) or not uid:
             raise KubeAPIError(f"{what}: unexpected answer from the API server: no metadata.uid")
         return uid
@@ -140,7 +140,7 @@ class KubeAPI:
     def list_resource_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
         """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName),
         each with the fields the publisher reads in the shapes it expects (KubeAPIError otherwise)."""
-        fields = {"spec.driver": driver, "spec.nodeName": node}
+        fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
         what = f"list ResourceSlices of driver {driver} on node {node}"
         items = self._call(what, lambda: [o.to_dict() for o in self._client.list(ResourceSlice, fields=fields)])
         for i, item in enumerate(items):
@@ -151,12 +151,12 @@ class KubeAPI:
 
     def create_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         what = f"create ResourceSlice {_name(obj)}"
-        return self._call(what, lambda: self._client.create(ResourceSlice(obj)).to_dict())
+        return self._call(what, lambda: self._client.create(ResourceSlice.from_dict(obj)).to_dict())
 
     def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Replace (PUT) the slice; its metadata.resourceVersion makes a stale update a 409."""
         what = f"update ResourceSlice {_name(obj)}"
-        return self._call(what, lambda: self._client.replace(ResourceSlice(obj)).to_dict())
+        return self._call(what, lambda: self._client.replace(ResourceSlice.from_dict(obj)).to_dict())
 
     def delete_resource_slice(self, name: str) -> None:
         self._call(f"delete ResourceSlice {name}", lambda: self._client.delete(ResourceSlice, name))
@@ -172,7 +172,8 @@ class KubeAPI:
             reason = getattr(e.status, "reason", None) or "error"
             raise KubeAPIError(f"{what}: API server answered {code} {reason}: {one_line(e)}", code) from e
         except httpx2.TimeoutException as e:
-            raise KubeAPIError(f"{what}: no answer from the API server within {self.timeout:g}s (the whole call)") from e
+            raise KubeAPIError(
+                f"{what}: no answer from the API server within {self.timeout:g}s (the whole call)") from e
         except httpx2.HTTPError as e:
             raise KubeAPIError(f"{what}: cannot reach the API server: {one_line(e) or type(e).__name__}") from e
         except (LightkubeConfigError, OSError) as e:

@@ -17,6 +17,7 @@ may be wiped while mpsd runs).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -160,9 +161,10 @@ class DraPlugin:
         def add_registration(server: grpc.Server) -> None:
             pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
-        sockets = dict(what="socket", thread_prefix="mpsd-dra-rpc", error=DraError, dir_mode=0o750)
-        self._dra = ServedSocket(self.socket_path, add_dra, PREPARE_SLOTS + RESERVED_THREADS, **sockets)
-        self._reg = ServedSocket(self.registration_path, add_registration, 2, **sockets)
+        sockets = functools.partial(ServedSocket, what="socket", thread_prefix="mpsd-dra-rpc", error=DraError,
+                                    dir_mode=0o750)
+        self._dra = sockets(self.socket_path, add_dra, PREPARE_SLOTS + RESERVED_THREADS)
+        self._reg = sockets(self.registration_path, add_registration, 2)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -203,9 +205,10 @@ class DraPlugin:
         self._reg.check()
 
     def _usage_loop(self) -> None:
-        while True:
+        usage = self.usage
+        while usage is not None:
             try:
-                self.usage.tick()
+                usage.tick()
             except Exception:
                 log.exception("DRA claim usage round failed")
             if self._stop.wait(self.usage_interval):

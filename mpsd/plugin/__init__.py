@@ -43,7 +43,7 @@ from .served import ServedSocket
 from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
 from .slicing import GpuLike, advertised_ids
 from .state import StateStore, install_file
-from .usage import UsageReader, UsageTracker, shim_usage
+from .usage import UsageMetrics, UsageReader, UsageTracker, shim_usage
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class DevicePlugin:
         board: HealthBoard,
         shim_library: str | None = None,
         pod_resources_socket: str | None = None,
-        metrics: object | None = None,
+        metrics: UsageMetrics | None = None,
         usage_reader: UsageReader = shim_usage,
         socket_name: str | None = None,
         poll_interval: float = 0.5,
@@ -247,7 +247,7 @@ def run_plugin(
     pipe_dir: str,
     gpus: Sequence[GpuLike],
     board: HealthBoard,
-    metrics: object | None,
+    metrics: UsageMetrics | None,
     shim_library: str,
     stop: threading.Event,
     state_dir: str | None = None,

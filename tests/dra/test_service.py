@@ -176,7 +176,7 @@ def test_mpsd_run_starts_the_dra_plugin_and_a_failure_makes_the_node_not_ready(t
         raise KubeAPIError("get Node n: cannot reach the API server: connection refused")
 
     monkeypatch.setattr(service, "run_dra", failing)
-    run = _start_dra(config, board, None, lambda: [], threading.Event())
+    run = _start_dra(config, board, None, list, threading.Event())
     run.thread.join(30)
     assert calls and calls[0]["shim_library"] == str(library) and calls[0]["state_dir"] == str(tmp_path)
     assert _ready(board, None, run) == (False, "DRA plugin stopped: get Node n: cannot reach the API server: "

@@ -40,10 +40,11 @@ def test_claim_regions_that_ever_failed_are_not_all_remembered(caplog: pytest.Lo
         names = ["stuck"] + [f"c{batch}-{i}" for i in range(99)]
         return [SimpleNamespace(uid=n, namespace="ns", name=n, region_dir=f"/nonexistent/{n}", gpus=()) for n in names]
 
-    batch = 0
-    reader = ClaimUsageReader(lambda: claims(batch), refuse, None)
+    now = [claims(0)]
+    reader = ClaimUsageReader(lambda: now[0], refuse, None)
     with caplog.at_level(logging.WARNING):
         for batch in range(PATHS // 100):
+            now[0] = claims(batch)
             reader.tick()
             reader.tick()
     assert len(reader._warned) <= LIMIT
