@@ -47,8 +47,8 @@ def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processe
     base = 1000 * (1 + sum(map(ord, tag)))
     pids = [[base + 64 * r + p for p in range(processes)] for r in range(regions)]
     m.set_last_error(f"error in world {tag}")
-    m.set_mps_servers({g: 1 for g in range(gpus)})
-    m.set_device_health({g: True for g in range(gpus)})
+    m.set_mps_servers(dict.fromkeys(range(gpus), 1))
+    m.set_device_health(dict.fromkeys(range(gpus), True))
     m.observe_inventory(
         [Gpu(g, f"GPU-{tag}-{g}", "H100", 80 * G, G, (9, 0), False) for g in range(gpus)],
         [Client(i % gpus, pid, G) for i, pid in enumerate([base - 1 - i for i in range(pods)] + sum(pids, []))],
@@ -59,7 +59,9 @@ def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processe
     m.set_regions(
         RegionUsage(f"region-{tag}-{r}", 0, 4 * G, G, tuple((pid, G) for pid in pids[r])) for r in range(regions)
     )
-    m.set_claims(ClaimUsage(f"claim-{tag}-{i}", "ns", f"pod-{tag}-{i}", i % gpus, 4 * G, 25.0, G) for i in range(claims))
+    m.set_claims(
+        ClaimUsage(f"claim-{tag}-{i}", "ns", f"pod-{tag}-{i}", i % gpus, 4 * G, 25.0, G) for i in range(claims)
+    )
 
 
 def series_count(m: Metrics) -> int:

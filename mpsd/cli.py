@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NoReturn, Sequence
 
 from . import config as cfg
 from .clientenv import client_env
@@ -31,7 +31,7 @@ EXIT_FAILURE = 1
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
 
 
@@ -97,7 +97,7 @@ def reloader(
             result.append(resolve(args, env))
         except ConfigError as exc:
             result.append(ConfigError(one_line(exc)))
-        except BaseException as exc:  # a bug on some input: still not a reason to stop serving
+        except BaseException as exc:  # noqa: BLE001 - a bug on some input: still not a reason to stop serving
             result.append(ConfigError(f"unexpected {type(exc).__name__}: {one_line(exc)[:200]}"))
 
     def reload() -> cfg.Config:

@@ -6,14 +6,14 @@ container). Paths are the ones the client will see.
 
 from __future__ import annotations
 
-from .units import format_limits
+from .units import Limits, format_limits
 
 
 def client_env(
     *,
     pipe_dir: str,
     active_thread_percentage: float | None = None,
-    memory_limits: dict[int | str, int] | None = None,
+    memory_limits: Limits | None = None,
     shim_library: str | None = None,
     region_path: str | None = None,
     log_dir: str | None = None,

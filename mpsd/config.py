@@ -425,10 +425,10 @@ def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, objec
     for name, value in overrides.items():
         if value is None:
             continue
-        s = BY_KEY.get(name) or BY_FLAG.get(name)
-        if s is None:
+        flag = BY_KEY.get(name) or BY_FLAG.get(name)
+        if flag is None:
             raise ConfigError(f"unknown setting {name!r}")
-        raw[s.key], origin[s.key] = value, f"flag --{s.flag}"
+        raw[flag.key], origin[flag.key] = value, f"flag --{flag.flag}"
     values: dict[str, Any] = {}
     for s in SETTINGS:
         try:

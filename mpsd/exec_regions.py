@@ -20,6 +20,8 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .logonce import OncePerKey
+
 log = logging.getLogger(__name__)
 
 MAX_REGIONS = 256  # regions read per round; the rest wait for the directory to shrink
@@ -97,7 +99,7 @@ class ExecRegions:
         self._refused = refused
         self._path: str | None = None
         self._broken = False
-        self._warned: set[str] = set()
+        self._warned = OncePerKey()
 
     def __call__(self) -> list[RegionUsage]:
         found = region_files(self.root)
@@ -121,7 +123,6 @@ class ExecRegions:
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign region must not stop the others
                 if self._refused is not None:
                     self._refused(exc)
-                if path not in self._warned:
-                    self._warned.add(path)
+                if self._warned.first(path):
                     log.warning("cannot read region path=%s error=%s", path, exc)
         return rows

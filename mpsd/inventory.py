@@ -179,7 +179,7 @@ class Inventory:
         query = getattr(pynvml, "nvmlDeviceGetMPSComputeRunningProcesses_v3", None)
         if self._mps_query_missing is None and query is None:
             self._fall_back(index, "pynvml has no nvmlDeviceGetMPSComputeRunningProcesses_v3")
-        if self._mps_query_missing is None:
+        if self._mps_query_missing is None and query is not None:
             try:
                 return query(handle)
             except _UNAVAILABLE as e:

@@ -16,6 +16,7 @@ An empty string means "no limits".
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from .errors import ConfigError
 
@@ -28,6 +29,8 @@ MAX_DIGITS = 20  # 2**64 - 1 has 20 digits
 SHOWN = 60  # characters of a bad value quoted in an error
 _SIZE = re.compile(r"([0-9]+)(?:([KMGTkmgt])[Bb]?)?")
 _UUID = re.compile(r"(?:GPU|MIG)-[A-Za-z0-9/_-]+")
+# limits keyed by ordinal, by UUID or both (a Mapping is invariant in its key type)
+Limits = Mapping[int, int] | Mapping[str, int] | Mapping[int | str, int]
 SIZE_FORM = "a byte count with an optional K, M, G or T suffix (e.g. 512M, 4G)"
 LIMITS_FORM = "DEVICE=SIZE[,DEVICE=SIZE...] with DEVICE an ordinal or GPU UUID (e.g. 0=4G,1=512M)"
 
@@ -120,10 +123,12 @@ def parse_limits(text: str) -> dict[int | str, int]:
     return limits
 
 
-def format_limits(limits: dict[int | str, int]) -> str:
+def format_limits(limits: Limits) -> str:
     """Inverse of parse_limits, ordinals first in order, then UUIDs."""
-    keys = sorted((k for k in limits if isinstance(k, int))) + sorted(k for k in limits if isinstance(k, str))
-    return ",".join(f"{k}={format_size(limits[k])}" for k in keys)
+    pairs: list[tuple[int | str, int]] = list(limits.items())
+    ordinals = sorted((k, v) for k, v in pairs if isinstance(k, int))
+    uuids = sorted((k, v) for k, v in pairs if isinstance(k, str))
+    return ",".join(f"{k}={format_size(v)}" for k, v in ordinals + uuids)
 
 
 def parse_percentage(text: str | float | int) -> float:

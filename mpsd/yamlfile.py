@@ -112,7 +112,7 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent, index):  # type: ignore[override]
+    def compose_node(self, parent, index):
         if self._depth >= MAX_DEPTH:
             raise ComposerError(
                 None, None, f"values nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark
@@ -123,14 +123,14 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_object(self, node, deep=False):  # type: ignore[override]
+    def construct_object(self, node, deep=False):
         # A scalar's constructor is Python's int(), float(), date()...: !!float x raises
         # ValueError, !!timestamp soon an AttributeError. Each becomes an error at its line.
         try:
             return super().construct_object(node, deep)
         except yaml.YAMLError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a scalar's constructor may raise anything
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             value = f" {shown(node.value)}" if isinstance(node, yaml.ScalarNode) else ""
             raise ConstructorError(

@@ -42,9 +42,9 @@ def debian_source(files: tuple[Path, ...] = SOURCE_FILES) -> tuple[str, str]:
 def parse_debian_source(text: str) -> tuple[str, str] | None:
     # deb822 stanzas: "URIs: ..." and "Suites: ..."
     for stanza in re.split(r"\n\s*\n", text):
-        fields = dict(
-            (m.group(1).lower(), m.group(2).split()) for m in re.finditer(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.M)
-        )
+        fields = {
+            m.group(1).lower(): m.group(2).split() for m in re.finditer(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.M)
+        }
         uris, suites = fields.get("uris", []), fields.get("suites", [])
         for uri in uris:
             if _is_debian_main(uri) and suites:

@@ -10,10 +10,12 @@ For one claim and this driver and node:
 - the results of this driver (``status.allocation.devices.results[]``) name devices of this
   node's pool: ``gpu-<index>`` (capacity mode) or ``gpu-<index>-slice-<k>`` (slices mode);
 - what a result consumed (``consumedCapacity``: ``memory`` in bytes, ``compute`` in percent of
-  the SMs) becomes the container's pinned memory limit and active thread percentage. What it
-  did not ask for is derived from the other, in proportion to the device: ``memory: 4Gi`` of
-  an 80 GiB GPU gives 5 % compute (rounded up to a hundredth), ``compute: 25`` gives a quarter
-  of its memory (rounded down to a MiB); neither gives the whole GPU. A slice ``k`` of N gives
+  the SMs, at least 1 as the slices' validRange says: less would reach MPS as 0 %; quantities
+  read as the API server reads them, mpsd/dra/quantity.py) becomes the container's pinned
+  memory limit and active thread percentage. What it did not ask for is derived from the
+  other, in proportion to the device: ``memory: 4Gi`` of an 80 GiB GPU gives 5 % compute
+  (rounded up to a hundredth), ``compute: 25`` gives a quarter of its memory (rounded down to
+  a MiB); neither gives the whole GPU. A slice ``k`` of N gives
   the device plugin's share of slice k (mpsd.plugin.slicing) and 100/N %. Several results on
   one GPU add up; over several GPUs the largest percentage is taken (MPS has one per client),
   as for the device plugin;
@@ -30,7 +32,6 @@ Every refusal is a DraError with one line naming the claim and the value.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
@@ -38,21 +39,14 @@ from typing import Any, Mapping, Sequence
 from ..errors import DraError
 from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan
 from .devices import COMPUTE, MEMORY, parse_device_name, slice_compute, slice_memory
+from .quantity import parse_quantity  # noqa: F401 (read here; tests import it from here too)
 
 CONFIG_API_VERSION = "gpu.mpsd.io/v1alpha1"
 CONFIG_KIND = "ClaimConfig"
 CONFIG_FIELDS = ("apiVersion", "kind", "clientPriority", "memoryLimit")
 CAPACITIES = (MEMORY, COMPUTE)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-_QUANTITY = re.compile(
-    r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?"
-)
-_SUFFIX = {
-    None: Fraction(1), "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000),
-    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
-    "P": Fraction(10**15), "E": Fraction(10**18), "Ki": Fraction(1 << 10), "Mi": Fraction(1 << 20),
-    "Gi": Fraction(1 << 30), "Ti": Fraction(1 << 40), "Pi": Fraction(1 << 50), "Ei": Fraction(1 << 60),
-}
+MIN_COMPUTE = 1  # percent: the slices' validRange min (below it MPS would be given 0 %)
 
 
 @dataclass(frozen=True)
@@ -90,20 +84,6 @@ class ClaimPlan:
 def short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
-def parse_quantity(text: object) -> Fraction:
-    """A Kubernetes quantity (``4Gi``, ``25``, ``500m``, ``1e3``) as an exact number; ValueError otherwise."""
-    match = _QUANTITY.fullmatch(text) if isinstance(text, str) and len(text) <= 64 else None
-    if match is None:
-        raise ValueError(f"bad quantity {short(text)}: expected a number with an optional suffix such as 4Gi or 25")
-    sign, number, suffix = match.groups()
-    value = Fraction(number)
-    if suffix and suffix[0] in "eE":
-        value *= Fraction(10) ** int(suffix[1:])
-    else:
-        value *= _SUFFIX[suffix]
-    return -value if sign == "-" else value
 
 
 def _get(data: Any, *path: str) -> Any:
@@ -225,13 +205,14 @@ def _consumed(result: Mapping, gpu: GpuLike, where: str) -> tuple[int, float]:
     total = gpu.memory_total
     if memory is not None and not MIB <= memory <= total:
         raise DraError(f"{where}: consumed memory {consumed['memory']} is outside 1Mi..{total} (the device's bytes)")
-    if compute is not None and not 0 < compute <= 100:
-        raise DraError(f"{where}: consumed compute {consumed['compute']} is outside (0, 100] percent of the SMs")
-    if memory is None and compute is None:
-        return total // MIB * MIB, 100.0
+    if compute is not None and not MIN_COMPUTE <= compute <= 100:
+        raise DraError(f"{where}: consumed compute {consumed['compute']} is outside [{MIN_COMPUTE}, 100] percent "
+                       "of the SMs (the published validRange)")
     if memory is None:
+        if compute is None:
+            return total // MIB * MIB, 100.0
         memory = total * compute / 100
-    if compute is None:
+    elif compute is None:
         compute = Fraction(math.ceil(memory * 10000 / total), 100)  # up to a hundredth: never below the share
     return int(memory) // MIB * MIB, min(100.0, float(compute))
 

@@ -10,7 +10,8 @@ import logging
 import os
 from typing import Callable, Iterable, Mapping
 
-from ..metrics import ClaimUsage
+from ..logonce import OncePerKey
+from .metrics import ClaimUsage
 from ..plugin.usage import UsageReader
 from .prepared import PreparedClaim
 
@@ -38,7 +39,7 @@ class ClaimUsageReader:
 
     def __init__(self, prepared: Callable[[], list[PreparedClaim]], reader: UsageReader, metrics) -> None:
         self.prepared, self.reader, self.metrics = prepared, reader, metrics
-        self._warned: set[str] = set()
+        self._warned = OncePerKey()
 
     def tick(self) -> list[ClaimUsage]:
         claims = self.prepared()
@@ -52,10 +53,9 @@ class ClaimUsageReader:
         path = os.path.join(claim.region_dir, REGION_NAME)
         try:
             return self.reader(path)
-        except Exception as exc:  # a pod's damaged region must not stop the others
+        except Exception as exc:  # noqa: BLE001 - a pod's damaged region must not stop the others
             if self.metrics is not None:  # a claim's region is an allocation directory's (the plugin's core)
                 self.metrics.region_refused("allocation", exc)  # every round, as the device plugin counts
-            if path not in self._warned:
-                self._warned.add(path)
+            if self._warned.first(path):
                 log.warning("cannot read usage claim=%s/%s path=%s error=%s", claim.namespace, claim.name, path, exc)
             return {}

@@ -60,7 +60,7 @@ def device_name(gpu_index: int, slice_index: int | None = None) -> str:
     return f"gpu-{gpu_index}-slice-{slice_index}"
 
 
-def parse_device_name(name: str) -> tuple[int, int | None]:
+def parse_device_name(name: object) -> tuple[int, int | None]:
     """``"gpu-0"`` -> (0, None), ``"gpu-1-slice-3"`` -> (1, 3). Only the spelling
     :func:`device_name` writes is taken (no leading zeros), so a device has one name."""
     match = _NAME.fullmatch(name) if isinstance(name, str) else None

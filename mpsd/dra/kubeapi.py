@@ -11,9 +11,10 @@ and config loading:
 - else the pod's service account (token, CA and namespace under
   /var/run/secrets/kubernetes.io/serviceaccount, server from KUBERNETES_SERVICE_HOST/PORT).
 
-Every call is bounded by ``timeout`` seconds for each of connect, send, wait and read.
-Every failure becomes :class:`mpsd.errors.KubeAPIError` with a one-line message naming the
-call, and ``status`` set to the HTTP status of an answer (404, 409 ...).
+Every call is bounded in total by ``timeout`` seconds (connect, send, wait and read together,
+whatever the server trickles) and its answer by ``max_answer`` bytes, both enforced at the
+socket (mpsd/dra/bounded.py). Every failure becomes :class:`mpsd.errors.KubeAPIError` with a
+one-line message naming the call, and ``status`` set to the HTTP status of an answer (404, 409 ...).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import httpx2
 import msgspec
 import yaml
 from lightkube import ApiError, Client
+from lightkube.config.client_adapter import verify_cluster
 from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
@@ -35,12 +37,17 @@ from lightkube.generic_resource import create_global_resource, create_namespaced
 from lightkube.resources.core_v1 import Node
 
 from ..errors import KubeAPIError, one_line
+from .bounded import AnswerRefused, BoundedTransport, bounded
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION = "resource.k8s.io", "v1"
 API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_TIMEOUT = 10.0
+# An object is at most ~1.5 MiB in etcd (its request limit), a few MiB as JSON; this node's
+# ResourceSlices are a few hundred KiB: 8 MiB leaves room and keeps 8 calls at once far from
+# the daemon's memory.
+MAX_ANSWER = 8 << 20
 FIELD_MANAGER = "mpsd"
 ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourceslices")
 ResourceClaim = create_namespaced_resource(GROUP, VERSION, "ResourceClaim", "resourceclaims")
@@ -83,20 +90,28 @@ def _service_account_config(account: Path, environ: Mapping[str, str]) -> KubeCo
 class KubeAPI:
     """The calls the DRA driver makes. ``close()`` (or ``with``) ends the connection pool."""
 
-    def __init__(self, config: KubeConfig, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, config: KubeConfig, timeout: float = DEFAULT_TIMEOUT, max_answer: int = MAX_ANSWER) -> None:
         if not timeout > 0:
             raise KubeAPIError(f"bad API server timeout {timeout!r}: expected seconds > 0")
-        self.timeout = timeout
+        self.timeout, self.max_answer = timeout, max_answer
         try:
-            self._client = Client(config, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, trust_env=True)
+            single = config.get()
+            if single is None or single.user is None:
+                raise KubeAPIError("bad API server configuration: no current context with a user")
+            # the pool of the transport is what bounds each call, so it carries the TLS settings
+            # that lightkube would otherwise give httpx
+            transport = BoundedTransport(verify_cluster(single.cluster, single.user, single.abs_file))
+            self._client = Client(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER,
+                                  trust_env=True, transport=transport)
             server = self._client.config.cluster.server
         except (LightkubeConfigError, OSError, ValueError, TypeError) as e:
             raise KubeAPIError(f"cannot set up the API server client: {one_line(e)}") from e
-        log.info("kube api client server=%s timeout=%s", server, timeout)
+        log.info("kube api client server=%s timeout=%s max_answer=%d", server, timeout, max_answer)
 
     @classmethod
-    def from_environment(cls, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] = os.environ) -> KubeAPI:
-        return cls(load_config(environ), timeout)
+    def from_environment(cls, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] = os.environ,
+                         max_answer: int = MAX_ANSWER) -> KubeAPI:
+        return cls(load_config(environ), timeout, max_answer)
 
     def close(self) -> None:
         self._client.close()
@@ -109,45 +124,91 @@ class KubeAPI:
 
     def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         what = f"get ResourceClaim {namespace}/{name}"
-        return self._call(what, lambda: self._client.get(ResourceClaim, name, namespace=namespace).to_dict())
+        claim = self._call(what, lambda: self._client.get(ResourceClaim, name, namespace=namespace).to_dict())
+        if not isinstance(claim, dict):
+            raise KubeAPIError(f"{what}: unexpected answer from the API server: not an object")
+        return claim
 
     def get_node_uid(self, name: str) -> str:
         """metadata.uid of the Node ``name`` (the owner of its ResourceSlices)."""
-        return self._call(f"get Node {name}", lambda: str(self._client.get(Node, name).metadata.uid))
+        what = f"get Node {name}"
+        uid = self._call(what, lambda: getattr(self._client.get(Node, name).metadata, "uid", None))
+        if not isinstance(uid, str) or not uid:
+            raise KubeAPIError(f"{what}: unexpected answer from the API server: no metadata.uid")
+        return uid
 
     def list_resource_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
-        """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName)."""
-        fields = {"spec.driver": driver, "spec.nodeName": node}
+        """This node's ResourceSlices of ``driver`` (field selectors on spec.driver and spec.nodeName),
+        each with the fields the publisher reads in the shapes it expects (KubeAPIError otherwise)."""
+        fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
         what = f"list ResourceSlices of driver {driver} on node {node}"
-        return self._call(what, lambda: [o.to_dict() for o in self._client.list(ResourceSlice, fields=fields)])
+        items = self._call(what, lambda: [o.to_dict() for o in self._client.list(ResourceSlice, fields=fields)])
+        for i, item in enumerate(items):
+            problem = slice_shape_error(item)
+            if problem:
+                raise KubeAPIError(f"{what}: unexpected answer from the API server: items[{i}]: {problem}")
+        return items
 
     def create_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         what = f"create ResourceSlice {_name(obj)}"
-        return self._call(what, lambda: self._client.create(ResourceSlice(obj)).to_dict())
+        return self._call(what, lambda: self._client.create(ResourceSlice.from_dict(obj)).to_dict())
 
     def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Replace (PUT) the slice; its metadata.resourceVersion makes a stale update a 409."""
         what = f"update ResourceSlice {_name(obj)}"
-        return self._call(what, lambda: self._client.replace(ResourceSlice(obj)).to_dict())
+        return self._call(what, lambda: self._client.replace(ResourceSlice.from_dict(obj)).to_dict())
 
     def delete_resource_slice(self, name: str) -> None:
         self._call(f"delete ResourceSlice {name}", lambda: self._client.delete(ResourceSlice, name))
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
-            return fn()
+            with bounded(self.timeout, self.max_answer):
+                return fn()
+        except AnswerRefused as e:
+            raise KubeAPIError(f"{what}: refused the API server's {e}") from e
         except ApiError as e:
             code = e.response.status_code if e.response is not None else None
             reason = getattr(e.status, "reason", None) or "error"
             raise KubeAPIError(f"{what}: API server answered {code} {reason}: {one_line(e)}", code) from e
         except httpx2.TimeoutException as e:
-            raise KubeAPIError(f"{what}: no answer from the API server within {self.timeout:g}s") from e
+            raise KubeAPIError(
+                f"{what}: no answer from the API server within {self.timeout:g}s (the whole call)") from e
         except httpx2.HTTPError as e:
             raise KubeAPIError(f"{what}: cannot reach the API server: {one_line(e) or type(e).__name__}") from e
         except (LightkubeConfigError, OSError) as e:
             raise KubeAPIError(f"{what}: {one_line(e) or type(e).__name__}") from e
         except (ValueError, msgspec.MsgspecError) as e:  # an answer that is not JSON
             raise KubeAPIError(f"{what}: unreadable answer from the API server: {one_line(e)}") from e
+        except (TypeError, AttributeError, KeyError) as e:  # JSON of another shape than lightkube decodes
+            raise KubeAPIError(f"{what}: unexpected answer from the API server: {type(e).__name__}: "
+                               f"{one_line(e)[:200]}") from e
+
+
+def slice_shape_error(obj: Any) -> str | None:
+    """What is wrong with a listed ResourceSlice where the publisher reads it, or None."""
+    if not isinstance(obj, dict):
+        return f"not an object but {type(obj).__name__}"
+    meta, spec = obj.get("metadata"), obj.get("spec")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        return "metadata.name is not a name"
+    if not isinstance(spec, dict) or not isinstance(spec.get("pool"), dict):
+        return "spec.pool is not an object"
+    pool = spec["pool"]
+    if not isinstance(pool.get("name"), str):
+        return "spec.pool.name is not a string"
+    for key in ("generation", "resourceSliceCount"):
+        if not isinstance(pool.get(key), int) or isinstance(pool.get(key), bool):
+            return f"spec.pool.{key} is not an integer"
+    devices = spec.get("devices")
+    if devices is not None and not isinstance(devices, list):
+        return "spec.devices is not a list"
+    for j, device in enumerate(devices or []):
+        if not isinstance(device, dict) or not isinstance(device.get("name"), str):
+            return f"spec.devices[{j}] is not a named device"
+        if device.get("capacity") is not None and not isinstance(device["capacity"], dict):
+            return f"spec.devices[{j}].capacity is not an object"
+    return None
 
 
 def _name(obj: dict[str, Any]) -> str:

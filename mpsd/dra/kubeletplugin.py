@@ -7,7 +7,9 @@
   the socket deregisters the plugin.
 - ``<pluginsDir>/<driver>/dra.sock``: the DRAPlugin service, v1 and v1beta1 (same messages, two
   packages). NodePrepareResources answers every claim of the request: its CDI device, or a
-  one-line error in its entry (the kubelet asks again for those).
+  one-line error in its entry (the kubelet asks again for those). At most PREPARE_SLOTS
+  Prepare calls run at once (each may wait on the API server for its whole timeout); one more
+  is answered "busy" at once, so Unprepare, which needs no API call, always finds a thread.
 
 A watchdog serves a socket again when it was deleted or replaced (the kubelet's directories
 may be wiped while mpsd runs).
@@ -15,6 +17,7 @@ may be wiped while mpsd runs).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -44,6 +47,8 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 DRA_SOCKET = "dra.sock"
 WORKERS = 8  # claims of one call prepared at once (each may wait on the API server)
+PREPARE_SLOTS = WORKERS  # NodePrepareResources calls at once; one more is answered "busy" at once
+RESERVED_THREADS = 2  # gRPC threads no Prepare takes: Unprepare (no API call) answers while Prepares wait
 
 
 def registration_socket_name(driver: str) -> str:
@@ -66,15 +71,28 @@ def _devices(pb2, rec: PreparedClaim) -> list:
 class DraServicer:
     """NodePrepareResources and NodeUnprepareResources for one package of the API (``pb2``)."""
 
-    def __init__(self, pb2, preparer: Preparer, pool: futures.Executor) -> None:
+    def __init__(self, pb2, preparer: Preparer, pool: futures.Executor,
+                 slots: threading.Semaphore | None = None) -> None:
         self.pb2 = pb2
         self.preparer = preparer
         self.pool = pool
+        self.slots = slots  # Prepare calls at once: each may wait on the API server for its whole timeout
 
     def NodePrepareResources(self, request, context):
         response = self.pb2.NodePrepareResourcesResponse()
         refs = _refs(request)
-        outcomes = self.preparer.prepare_many(list(refs.values()), map_fn=self.pool.map)
+        if self.slots is not None and not self.slots.acquire(blocking=False):
+            busy = (f"busy: {PREPARE_SLOTS} NodePrepareResources calls already wait on the API server; "
+                    "nothing was prepared (the kubelet asks again)")
+            log.warning("NodePrepareResources refused claims=%s error=%s", ",".join(map(str, refs.values())), busy)
+            for uid in refs:
+                response.claims[uid].error = busy
+            return response
+        try:
+            outcomes = self.preparer.prepare_many(list(refs.values()), map_fn=self.pool.map)
+        finally:
+            if self.slots is not None:
+                self.slots.release()
         for uid, outcome in outcomes.items():
             if isinstance(outcome, str):
                 log.error("NodePrepareResources claim=%s error=%s", refs[uid], outcome)
@@ -132,8 +150,9 @@ class DraPlugin:
         self.registration_path = os.path.abspath(os.path.join(registry_dir, registration_socket_name(driver)))
         self.registration = RegistrationServicer(driver, self.socket_path)
         self._pool = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mpsd-dra-claim")
-        v1 = DraServicer(dra_v1_pb2, preparer, self._pool)
-        v1beta1 = DraServicer(dra_v1beta1_pb2, preparer, self._pool)
+        slots = threading.BoundedSemaphore(PREPARE_SLOTS)  # shared by v1 and v1beta1: one server, one pool
+        v1 = DraServicer(dra_v1_pb2, preparer, self._pool, slots)
+        v1beta1 = DraServicer(dra_v1beta1_pb2, preparer, self._pool, slots)
 
         def add_dra(server: grpc.Server) -> None:
             dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
@@ -142,9 +161,10 @@ class DraPlugin:
         def add_registration(server: grpc.Server) -> None:
             pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
-        sockets = dict(what="socket", thread_prefix="mpsd-dra-rpc", error=DraError, dir_mode=0o750)
-        self._dra = ServedSocket(self.socket_path, add_dra, WORKERS + 2, **sockets)
-        self._reg = ServedSocket(self.registration_path, add_registration, 2, **sockets)
+        sockets = functools.partial(ServedSocket, what="socket", thread_prefix="mpsd-dra-rpc", error=DraError,
+                                    dir_mode=0o750)
+        self._dra = sockets(self.socket_path, add_dra, PREPARE_SLOTS + RESERVED_THREADS)
+        self._reg = sockets(self.registration_path, add_registration, 2)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -185,9 +205,10 @@ class DraPlugin:
         self._reg.check()
 
     def _usage_loop(self) -> None:
-        while True:
+        usage = self.usage
+        while usage is not None:
             try:
-                self.usage.tick()
+                usage.tick()
             except Exception:
                 log.exception("DRA claim usage round failed")
             if self._stop.wait(self.usage_interval):

@@ -135,7 +135,7 @@ class Preparer:
     ) -> None:
         self.driver, self.node, self.pool = driver, node, pool
         self.backend = backend or V2Backend(paths)  # what a claim becomes on this node (mpsd/sharing)
-        self.gpus = list(gpus)
+        self.gpus: Sequence[GpuLike] = list(gpus)  # replaced whole when NVML lists other GPUs
         self.slices_per_gpu = slices_per_gpu
         self.paths = paths
         self.cdi = cdi_dir
@@ -228,7 +228,7 @@ class Preparer:
             claim = self.get_claim(ref.namespace, ref.name)
         except MpsdError as exc:
             return f"claim {ref}: {one_line(exc)}"
-        except Exception as exc:  # a client library's own error: one line, the kubelet retries
+        except Exception as exc:  # noqa: BLE001 - a client library's own error: one line, the kubelet retries
             return f"claim {ref}: API server: {type(exc).__name__}: {one_line(exc)[:300]}"
         try:
             return plan_claim(claim, ref, driver=self.driver, node=self.node, pool=self.pool, gpus=self.gpus,

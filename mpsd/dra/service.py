@@ -33,7 +33,6 @@ from typing import Callable, Mapping, Sequence
 from ..errors import MpsdError
 from ..health import HealthBoard
 from ..plugin.response import SHIM_NAME, HostPaths
-from ..plugin.slicing import GpuLike
 from ..plugin.state import StateStore, install_file
 from ..plugin.usage import shim_usage
 from .cdi import CdiDir
@@ -41,6 +40,7 @@ from .claimusage import ClaimUsageReader
 from .kubeletplugin import DraPlugin
 from .prepared import PREPARED, PreparedClaim, Preparer
 from .publisher import SlicePublisher
+from .slices import GpuLike  # what Prepare needs and what the slices publish: name, capability, MIG
 
 log = logging.getLogger(__name__)
 

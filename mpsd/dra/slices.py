@@ -29,11 +29,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any, Protocol
 
-from lightkube.utils.quantity import parse_quantity  # the client's parser of the API's quantities
-
 from . import devices as dv
+from .quantity import parse_quantity  # exact, as the API server reads quantities
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 128
@@ -195,7 +195,7 @@ def _numbers(node: Any) -> Any:
     return node
 
 
-def _parse_quantity(text: str) -> Decimal | str:
+def _parse_quantity(text: str) -> Fraction | str:
     try:
         return parse_quantity(text)
     except ValueError:

@@ -47,7 +47,7 @@ from ..sharing.burst import burst_limits
 from ..sharing.v2 import V2Backend
 from .slicing import GpuLike, Plan, advertised_ids, plan_allocation
 from .state import StateStore, install_file
-from .usage import UsageReader, UsageTracker, shim_usage
+from .usage import UsageMetrics, UsageReader, UsageTracker, shim_usage
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class DevicePlugin:
         board: HealthBoard,
         shim_library: str | None = None,
         pod_resources_socket: str | None = None,
-        metrics: object | None = None,
+        metrics: UsageMetrics | None = None,
         usage_reader: UsageReader = shim_usage,
         socket_name: str | None = None,
         poll_interval: float = 0.5,
@@ -278,7 +278,7 @@ def run_plugin(
     pipe_dir: str,
     gpus: Sequence[GpuLike],
     board: HealthBoard,
-    metrics: object | None,
+    metrics: UsageMetrics | None,
     shim_library: str,
     stop: threading.Event,
     state_dir: str | None = None,

@@ -110,11 +110,15 @@ def list_holders(socket_path: str, resource_name: str, timeout: float = 5.0) -> 
     return holders_from_list(reply, resource_name)
 
 
-def holders_from_list(reply: podresources_pb2.ListPodResourcesResponse, resource_name: str) -> dict[frozenset[str], Holder]:
+def holders_from_list(
+    reply: podresources_pb2.ListPodResourcesResponse, resource_name: str
+) -> dict[frozenset[str], Holder]:
     holders: dict[frozenset[str], Holder] = {}
     for pod in reply.pod_resources:
         for container in pod.containers:
-            ids = frozenset(d for dev in container.devices if dev.resource_name == resource_name for d in dev.device_ids)
+            ids = frozenset(
+                d for dev in container.devices if dev.resource_name == resource_name for d in dev.device_ids
+            )
             if ids:
                 holders[ids] = Holder(pod.name, pod.namespace, container.name)
     return holders

@@ -10,7 +10,7 @@ import secrets
 import stat
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import grpc
 
@@ -101,7 +101,8 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             devices = device_list(self.gpus, self.slices_per_gpu, state)
             if devices != last:
                 unhealthy = sum(1 for _, h in devices if h == UNHEALTHY)
-                log.info("ListAndWatch send devices=%d unhealthy=%d generation=%d", len(devices), unhealthy, state.generation)
+                log.info("ListAndWatch send devices=%d unhealthy=%d generation=%d", len(devices), unhealthy,
+                         state.generation)
                 yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=i, health=h) for i, h in devices])
                 last = devices
             # Wakes on a board change; the timeout only lets a stop or a cancelled stream end.
@@ -119,7 +120,8 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         for creq in request.container_requests:
             try:
                 chosen = preferred_allocation(
-                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size, self._gpu_order
+                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size,
+                    self._gpu_order,
                 )
             except PluginError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -219,7 +221,16 @@ def fresh_dir(region_dir: str, prefix: str) -> str:
     raise PluginError(f"cannot create a new region directory in {region_dir}: names taken")
 
 
-def restore_region_dir(allocation: Allocation, region_root: str) -> bool:
+class _Stored(Protocol):
+    """A stored record with a region directory: the device plugin's Allocation, DRA's PreparedClaim."""
+
+    @property
+    def allocation_id(self) -> str: ...
+    @property
+    def region_dir(self) -> str: ...
+
+
+def restore_region_dir(allocation: _Stored, region_root: str) -> bool:
     """At start: re-create the directory of a stored allocation that is missing (mode 0777, as
     Allocate made it). Only a directory of ours is made: directly in ``region_root``, named
     ``<allocation ID>-...``. Anything else (a record naming a place outside regionDir, a file

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable
+from typing import Any, Generic, Iterable, Protocol, TypeVar, overload
 
 from ..errors import PluginError
 
@@ -70,7 +70,22 @@ class Allocation:
         return replace(self, pod=pod, namespace=namespace, container=container)
 
 
-class StateStore:
+class Record(Protocol):
+    """What a StateStore keeps: a frozen record with an ID, a creation time and JSON."""
+
+    @property
+    def allocation_id(self) -> str: ...
+    @property
+    def created(self) -> float: ...
+    def to_json(self) -> dict: ...
+    @classmethod
+    def from_json(cls, data: dict) -> Any: ...
+
+
+R = TypeVar("R", bound=Record)
+
+
+class StateStore(Generic[R]):
     """Allocations by ID, on disk before every change returns. Thread-safe.
 
     ``lock`` (re-entrant) is held by every method; hold it yourself to make a read, a
@@ -83,20 +98,25 @@ class StateStore:
     one) is dropped, as its change never returned. Replaying is idempotent: a journal left
     behind by a crash between a snapshot and its truncation replays to that snapshot."""
 
+    @overload
+    def __init__(self: StateStore[Allocation], path: str, compact_every: int = 4096) -> None: ...
+    @overload
+    def __init__(self, path: str, compact_every: int = 4096, *, record: type[R]) -> None: ...
+
     def __init__(self, path: str, compact_every: int = 4096, record: type = Allocation) -> None:
         self.path = path
         # what is stored: Allocation for the device plugin, mpsd.dra.prepared.PreparedClaim for DRA;
         # any frozen record with allocation_id, created, to_json() and from_json()
-        self.record = record
+        self.record: type[R] = record
         self.journal_path = path + JOURNAL_SUFFIX
         self.compact_every = compact_every  # journal lines that make a write compact at once
         self.lock = threading.RLock()
-        self._allocations: dict[str, Allocation] = {}
+        self._allocations: dict[str, R] = {}
         self._journal_fd: int | None = None
         self._journal_size = 0
         self.journal_lines = 0
 
-    def load(self) -> dict[str, Allocation]:
+    def load(self) -> dict[str, R]:
         """Read the snapshot and replay the journal. A damaged snapshot is moved aside and
         reported, not fatal; a damaged journal line ends the replay, the journal is moved aside."""
         with self.lock:
@@ -159,18 +179,18 @@ class StateStore:
     def _move_aside(self) -> str:
         return _move_aside(self.path)
 
-    def all(self) -> list[Allocation]:
+    def all(self) -> list[R]:
         with self.lock:
             return sorted(self._allocations.values(), key=lambda a: (a.created, a.allocation_id))
 
-    def get(self, allocation_id: str) -> Allocation | None:
+    def get(self, allocation_id: str) -> R | None:
         with self.lock:
             return self._allocations.get(allocation_id)
 
-    def put(self, allocation: Allocation) -> None:
+    def put(self, allocation: R) -> None:
         self.put_many([allocation])
 
-    def put_many(self, allocations: Iterable[Allocation]) -> None:
+    def put_many(self, allocations: Iterable[R]) -> None:
         with self.lock:
             items = list(allocations)
             self._append({"put": [a.to_json() for a in items]})
@@ -178,7 +198,7 @@ class StateStore:
                 self._allocations[a.allocation_id] = a
             self._compact_if_long()
 
-    def remove(self, allocation_ids: Iterable[str]) -> list[Allocation]:
+    def remove(self, allocation_ids: Iterable[str]) -> list[R]:
         with self.lock:
             gone = [self._allocations[i] for i in dict.fromkeys(allocation_ids) if i in self._allocations]
             if gone:

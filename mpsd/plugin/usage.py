@@ -11,10 +11,11 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Protocol
 
 from ..errors import MpsdError, PluginError
-from ..metrics import AllocationUsage
+from ..logonce import OncePerKey
+from .metrics import AllocationUsage
 from ..trees import remove_tree
 from .kubelet import Holder, list_holders
 from .slicing import allocation_id
@@ -109,6 +110,13 @@ def shim_usage(region_path: str, library: str | None = None) -> dict[int, int]:
     return {int(d.device): int(d.used) for d in shim.usage(region_path, library=library, copy=True)}
 
 
+class UsageMetrics(Protocol):
+    """What a round pushes to (mpsd.metrics.Metrics)."""
+
+    def set_allocations(self, rows: Iterable[AllocationUsage]) -> None: ...
+    def region_refused(self, kind: str, error: BaseException) -> bool: ...
+
+
 class UsageTracker:
     def __init__(
         self,
@@ -118,7 +126,7 @@ class UsageTracker:
         resource_name: str,
         gpu_index: Mapping[str, int],
         pod_resources_socket: str | None,
-        metrics: object | None,
+        metrics: UsageMetrics | None,
         usage_reader: UsageReader = shim_usage,
         region_name: str = "region",
         gc_grace: float = 60.0,
@@ -134,7 +142,7 @@ class UsageTracker:
         self.usage_reader = usage_reader
         self.region_name = region_name
         self.gc_grace = gc_grace
-        self._warned: set[str] = set()
+        self._warned = OncePerKey()
         self._missing_since: dict[str, float] = {}
         self._unnamed_since: dict[str, float] = {}  # directory name -> first round no allocation named it
 
@@ -247,12 +255,11 @@ class UsageTracker:
         try:
             result = remove_tree(path)
         except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: the other directories go on
-            result = None
-            error = f"{type(exc).__name__}: {exc}"
+            error, removed = f"{type(exc).__name__}: {exc}", 0
         else:
-            error = result.error
+            error, removed = result.error, result.removed
         if not error:
-            log.info("region directory removed path=%s (%s) entries=%d", path, why, result.removed)
+            log.info("region directory removed path=%s (%s) entries=%d", path, why, removed)
             return True
         self._warn_once(f"remove:{path}:{error}", "region directory not removed path=%s (%s) error=%s "
                         "(tried again next round)", path, why, error)
@@ -262,7 +269,7 @@ class UsageTracker:
         path = os.path.join(a.region_dir, self.region_name)
         try:
             return self.usage_reader(path)
-        except Exception as exc:  # a damaged or foreign region must not stop the others
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign region must not stop the others
             if self.metrics is not None:
                 self.metrics.region_refused("allocation", exc)  # every round: the alert sees it go on
             # once per directory: a new pod on the same slices has a directory of its own
@@ -270,7 +277,6 @@ class UsageTracker:
             return {}
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
+        if self._warned.first(key):
             log.warning(msg, *args)
 

@@ -12,6 +12,14 @@ process, as small as the driver needs, speaking the API's paths, status objects 
 - Faults: ``delay`` (seconds before each answer), ``refuse`` (close the connection without
   an answer), ``stop()``/``start()`` (nothing listens on the port), ``fail`` (answer the next
   requests of a method with these status codes; None serves one normally).
+- ``raw``: method -> bodies of its next answers, sent as they are with status 200 (any shape).
+- Misbehaving answers (``fault``, for every request while set): ``trickle`` (headers, then a
+  space every ``fault_interval`` s, forever: JSON allows leading whitespace, so the answer is
+  never complete and never wrong), ``trickle-headers`` (the status line, then a header byte at
+  a time, forever), ``hang-after-headers`` (a Content-Length, half the body, then nothing),
+  ``huge`` (a valid object of ``fault_bytes`` bytes, as fast as the client reads),
+  ``huge-chunked`` (the same without a length), ``gzip`` (the same gzip-encoded: a few hundred
+  KiB on the wire); ``fault_sent`` counts the bytes handed to the socket.
 - Bearer token required; ``tls=True`` serves HTTPS with a fresh self-signed certificate
   (openssl) whose CA file a KUBECONFIG can name.
 """
@@ -24,6 +32,7 @@ import ssl
 import subprocess
 import threading
 import uuid
+import zlib
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -98,10 +107,16 @@ class StandInAPIServer:
         self.slices: dict[str, Obj] = {}
         self.nodes: dict[str, Obj] = {}  # name -> Node (tests put them in; GET only)
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
+        self.arrived = 0  # requests received, counted before any delay or fault
         self.invalid: list[str] = []
         self.delay = 0.0
         self.refuse = False
         self.fail: dict[str, list[int | None]] = {}  # method -> status codes of its next requests (None: serve)
+        self.raw: dict[str, list[bytes]] = {}  # method -> bodies of its next answers (200), as they are
+        self.fault: str | None = None  # see the module docstring
+        self.fault_interval = 0.05
+        self.fault_bytes = 64 << 20
+        self.fault_sent = 0
         self.lock = threading.RLock()
         self._version = 0
         self._stopping = threading.Event()
@@ -259,9 +274,20 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
+            with server.lock:
+                server.arrived += 1
             server.wait_delay()
-            if server.refuse:
+            if server.refuse or server._stopping.is_set():  # stopped: a kept-alive connection is dropped too
                 self.close_connection = True
+                return
+            if server.fault:
+                with server.lock:
+                    server.requests.append((self.command, self.path))
+                self.close_connection = True
+                try:
+                    _misbehave(server, self)
+                except OSError:  # the client went away
+                    pass
                 return
             if self.headers.get("Authorization") != f"Bearer {server.token}":
                 code, body = 401, status(401, "Unauthorized", "Unauthorized")
@@ -272,7 +298,10 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
                     code, body = 400, status(400, "BadRequest", "body is not JSON")
                 else:
                     code, body = server.answer(self.command, self.path, obj)
-            data = json.dumps(body).encode()
+            with server.lock:
+                planted = server.raw[self.command].pop(0) if server.raw.get(self.command) else None
+            data = json.dumps(body).encode() if planted is None else planted
+            code = code if planted is None else 200
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -282,6 +311,56 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
 
     return Handler
+
+
+def _huge_parts(size: int) -> Iterator[bytes]:
+    """A valid JSON object of about ``size`` bytes, in 64 KiB pieces."""
+    yield b'{"kind":"ResourceClaim","apiVersion":"resource.k8s.io/v1","metadata":{},"pad":"'
+    piece = b"a" * (64 << 10)
+    for _ in range(size // len(piece)):
+        yield piece
+    yield b'"}'
+
+
+def _misbehave(server: StandInAPIServer, handler: BaseHTTPRequestHandler) -> None:
+    out, fault, wait = handler.wfile, server.fault, server._stopping.wait
+
+    def send(data: bytes) -> None:
+        out.write(data)
+        out.flush()
+        with server.lock:
+            server.fault_sent += len(data)
+
+    if fault == "trickle-headers":
+        send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Slow: ")
+        while not wait(server.fault_interval):
+            send(b"a")
+        return
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    if fault == "trickle":
+        send(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        while not wait(server.fault_interval):
+            send(b"1\r\n \r\n")
+    elif fault == "hang-after-headers":
+        body = json.dumps(status(200, "", "")).encode()
+        send(head + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+        wait(3600)
+    elif fault == "huge":
+        length = sum(len(p) for p in _huge_parts(server.fault_bytes))
+        send(head + f"Content-Length: {length}\r\n\r\n".encode())
+        for part in _huge_parts(server.fault_bytes):
+            send(part)
+    elif fault == "huge-chunked":
+        send(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        for part in _huge_parts(server.fault_bytes):
+            send(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        send(b"0\r\n\r\n")
+    elif fault == "gzip":
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: the gzip container
+        body = b"".join(packer.compress(p) for p in _huge_parts(server.fault_bytes)) + packer.flush()
+        send(head + f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    else:
+        raise AssertionError(f"unknown fault {fault!r}")
 
 
 def _self_signed(directory: Path) -> tuple[Path, ssl.SSLContext]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -24,12 +25,13 @@ def plan(c, slices=4, gpu_list=None):
 @pytest.mark.parametrize("text, value", [
     ("4Gi", 4 * GIB), ("25", 25), ("0.5", Fraction(1, 2)), ("500m", Fraction(1, 2)), ("1e3", 1000),
     ("1k", 1000), ("1Mi", MIB), ("+2", 2), ("-1", -1), (".5", Fraction(1, 2)), ("12.5", Fraction(25, 2)),
+    ("1E", 10**18), ("1Ei", 1 << 60), ("1E3", 1000), ("Gi", 0),  # as the API server reads them (test_quantity.py)
 ])
 def test_quantities(text, value):
     assert parse_quantity(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "Gi", "4 Gi", "4GB", "4gi", "1e", "--1", 4, None, "1" * 70, "4Gi\n"])
+@pytest.mark.parametrize("text", ["", "4 Gi", "4GB", "4gi", "1e", "--1", 4, None, "1" * 70, "4Gi\n"])
 def test_bad_quantities(text):
     with pytest.raises(ValueError, match="bad quantity"):
         parse_quantity(text)
@@ -141,6 +143,15 @@ def test_another_pool_is_refused():
 ])
 def test_consumed_capacity_beyond_the_device_is_refused(memory, compute, match):
     _bad(claim(results=[result(memory=memory, compute=compute)]), match)
+
+
+@pytest.mark.parametrize("memory", [None, "4Gi"])
+@pytest.mark.parametrize("compute", ["1n", "1m", "0.001", "0.5", "999m"])
+def test_compute_below_one_percent_is_refused_not_prepared_as_zero(memory, compute):
+    # 1m alone used to give CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=0 and a 0=0 memory limit; the
+    # slices publish compute with validRange min 1, so no scheduler allocates less
+    _bad(claim(results=[result(memory=memory, compute=compute)]),
+         re.escape(f"consumed compute {compute} is outside [1, 100] percent of the SMs"))
 
 
 def test_results_above_the_gpu_together_are_refused():

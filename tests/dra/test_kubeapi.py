@@ -3,7 +3,10 @@ account, the calls the driver makes, and every failure as one KubeAPIError line.
 from __future__ import annotations
 
 import copy
+import json
+import threading
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +208,115 @@ def test_a_rotated_service_account_token_is_read_again(tls_server: StandInAPISer
         assert excinfo.value.status == 401
         (account / "token").write_text("rotated-token\n")
         assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
+
+
+def _call_in_thread(fn: Any, limit: float) -> tuple[BaseException | None, float]:
+    """(what ``fn`` raised, seconds it took); fails the test if it is still running after
+    ``limit`` s (the server stops at the fixture's end, which ends the call)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            outcome.append(e)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), f"the call was still running after {limit} s"
+    return outcome[0], time.monotonic() - start
+
+
+@pytest.mark.parametrize("fault", ["trickle", "trickle-headers", "hang-after-headers"])
+def test_a_trickling_or_hanging_answer_ends_at_the_calls_deadline(apiserver: StandInAPIServer, kubeconfig: Path,
+                                                                  fault: str) -> None:
+    # httpx's timeouts are per read: a byte every 50 ms kept a call going forever
+    apiserver.fault = fault
+    with KubeAPI.from_environment(timeout=1.0) as api:
+        error, took = _call_in_thread(lambda: api.get_resource_claim("team-a", "llm-gpu"), limit=30)
+    assert isinstance(error, KubeAPIError), error
+    assert "no answer from the API server within 1s (the whole call)" in str(error) and "\n" not in str(error)
+    assert took < 15  # 1 s and a busy machine's slack; without the bound it never ends
+    assert apiserver.requests  # the server was asked
+
+
+@pytest.mark.parametrize("fault", ["huge", "huge-chunked", "gzip"])
+def test_a_huge_answer_is_refused_without_being_read_whole(apiserver: StandInAPIServer, kubeconfig: Path,
+                                                           fault: str) -> None:
+    apiserver.fault = fault  # 64 MiB (a gzip of a few hundred KiB unpacking to 64 MiB)
+    tracemalloc.start()
+    try:
+        with KubeAPI.from_environment(timeout=30) as api:
+            error, _ = _call_in_thread(lambda: api.get_resource_claim("team-a", "llm-gpu"), limit=60)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(error, KubeAPIError), error
+    assert "get ResourceClaim team-a/llm-gpu: refused the API server's answer" in str(error)
+    assert "\n" not in str(error) and error.status is None
+    assert peak < 32 << 20, f"{peak >> 20} MiB allocated for a refused answer"  # the cap is 8 MiB
+
+
+def test_the_answer_cap_and_the_deadline_cover_a_whole_call(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    apiserver.put_claim(CLAIM)
+    with KubeAPI.from_environment(timeout=30, max_answer=200) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.get_resource_claim("team-a", "llm-gpu")  # a small claim, but above 200 bytes
+    assert "larger than 200 bytes" in one_line_error(excinfo)
+    with KubeAPI.from_environment(timeout=30) as api:  # a fresh budget for each call
+        for _ in range(3):
+            assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
+
+
+GOOD_SLICE = {"metadata": {"name": "node-a-gpu.mpsd.io-x"},
+              "spec": {"pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1}, "devices": []}}
+MALFORMED_LISTS = [
+    b"[]", b'"text"', b"null", b"7", b'{"kind": "ResourceSliceList"}', b'{"items": 5}', b'{"items": [5]}',
+    b'{"items": [{}]}', b'{"items": [{"metadata": {"name": 7}, "spec": {}}]}',
+    b'{"items": [{"metadata": {"name": "a"}}]}', b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": 1}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": "1", '
+    b'"resourceSliceCount": 1}}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1}}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": {"gpu-0": {}}}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": [7]}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": [{"name": "gpu-0", "capacity": []}]}}]}',
+    b'{"items": [{"metadata": {"name": "a"}, "spec": {"pool": {"name": "node-a", "generation": 1, '
+    b'"resourceSliceCount": 1}, "devices": [{"capacity": {}}]}}]}',
+    b'{"items": [', b"",
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED_LISTS, ids=range(len(MALFORMED_LISTS)))
+def test_a_malformed_slice_list_is_one_line(apiserver: StandInAPIServer, kubeconfig: Path, body: bytes) -> None:
+    apiserver.raw["GET"] = [body]
+    with KubeAPI.from_environment(timeout=30) as api, pytest.raises(KubeAPIError) as excinfo:
+        api.list_resource_slices("gpu.mpsd.io", "node-a")
+    assert "list ResourceSlices of driver gpu.mpsd.io on node node-a" in one_line_error(excinfo)
+    assert "unexpected answer from the API server" in str(excinfo.value) or "unreadable" in str(excinfo.value)
+
+
+def test_a_slice_list_of_the_expected_shape_passes(apiserver: StandInAPIServer, kubeconfig: Path) -> None:
+    apiserver.raw["GET"] = [json.dumps({"items": [GOOD_SLICE]}).encode()]
+    with KubeAPI.from_environment(timeout=30) as api:
+        assert api.list_resource_slices("gpu.mpsd.io", "node-a") == [GOOD_SLICE]
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"metadata": 5}', b'{"metadata": {"uid": 5}}', b"null"])
+def test_a_malformed_node_or_claim_is_one_line(apiserver: StandInAPIServer, kubeconfig: Path, body: bytes) -> None:
+    with KubeAPI.from_environment(timeout=30) as api:
+        apiserver.raw["GET"] = [body]
+        with pytest.raises(KubeAPIError) as excinfo:
+            api.get_node_uid("node-a")
+        assert "get Node node-a" in one_line_error(excinfo)
+        apiserver.raw["GET"] = [body]
+        try:
+            got = api.get_resource_claim("team-a", "llm-gpu")
+        except KubeAPIError as e:
+            assert "get ResourceClaim team-a/llm-gpu" in str(e) and "\n" not in str(e)
+        else:
+            assert isinstance(got, dict)  # claims.plan_claim checks every field it reads

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from mpsd.dra import pluginregistration_pb2, pluginregistration_pb2_grpc
+
 from .conftest import DRIVER, StandInKubelet, claim, result
 
 CLAIM = ("ns", "c1", "uid-1")
@@ -159,3 +161,40 @@ def test_a_symlinked_cdi_dir_stops_the_start_in_one_line(env):
     with pytest.raises(DraError, match="is a symlink"):
         p.start()
     p.stop()
+
+
+def test_prepares_waiting_on_a_hanging_api_server_leave_unprepare_answering(env, served, apiserver, tmp_path):
+    """Twelve Prepares whose claims the API server never sends (each call bounded at 10 s) used
+    to take every gRPC worker: Unprepare of an unrelated claim, which needs no API call, waited
+    for them and missed its deadline. Prepares beyond the plugin's slots are answered "busy" at
+    once, and Unprepare and the registration socket answer while the others wait."""
+    from mpsd.dra.kubeapi import KubeAPI, load_config
+    from tests.dra.apiserver import write_kubeconfig
+
+    start, kubelet = served
+    apiserver.delay = 60  # accepts, never answers (until the test ends)
+    api = KubeAPI(load_config({"KUBECONFIG": str(write_kubeconfig(tmp_path / "kc", apiserver))}), timeout=10)
+    p = start()
+    p.preparer.get_claim = api.get_resource_claim
+    k = kubelet(p)
+    k.register()
+    calls = [k.stub.NodePrepareResources.future(k.pb2.NodePrepareResourcesRequest(
+        claims=[k.pb2.Claim(namespace="ns", name=f"c{i}", uid=f"uid-{i}")]), timeout=60) for i in range(12)]
+    deadline = time.monotonic() + 20
+    while apiserver.arrived < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert apiserver.arrived >= 8  # the plugin's workers all wait on the API server
+    t0 = time.monotonic()
+    unprep = k.stub.NodeUnprepareResources(k.pb2.NodeUnprepareResourcesRequest(
+        claims=[k.pb2.Claim(namespace="ns", name="other", uid="uid-other")]), timeout=5)
+    assert unprep.claims["uid-other"].error == ""
+    reg = pluginregistration_pb2_grpc.RegistrationStub(k._channel(p.registration_path))
+    assert reg.GetInfo(pluginregistration_pb2.InfoRequest(), timeout=5).name == DRIVER
+    assert time.monotonic() - t0 < 5
+    busy = [c.result() for c in calls if c.done() and "busy" in next(iter(c.result().claims.values())).error]
+    assert busy, "Prepares beyond the slots are answered at once"
+    apiserver.stop()  # the waiting calls end
+    for c in calls:
+        entry = next(iter(c.result(timeout=60).claims.values()))
+        assert entry.error and "\n" not in entry.error and not entry.devices
+    api.close()

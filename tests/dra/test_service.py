@@ -102,6 +102,25 @@ def test_a_gpu_that_appears_is_published_and_claims_on_it_are_prepared(apiserver
     assert published() == ["gpu-0", "gpu-1"]
 
 
+def test_a_malformed_slice_list_is_retried_and_never_ends_the_plugin(apiserver, running, caplog):
+    """Any shape the API server sends for the list is one line and a retry at the next round
+    (every 5 s; tests/dra/test_kubeapi.py has every shape); the plugin keeps serving and
+    publishes once the answers are right again."""
+    assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
+    apiserver.raw["GET"] = [b'{"items": [5]}', b'{"items": [{"metadata": {"name": "a"}}]}', b"[]"]
+    running.gpus = [*GPUS, Gpu(1, "GPU-00000001-aaaa-bbbb-cccc-000000000001", "Fake H100", 80 * GIB, 0, (9, 0), False)]
+
+    def published():
+        return sorted(d["name"] for s in apiserver.pool_slices("gpu.mpsd.io", NODE) for d in s["spec"]["devices"])
+
+    assert wait_for(lambda: published() == ["gpu-0", "gpu-1"] or running.errors, timeout=60)
+    assert not running.errors and running.thread.is_alive() and apiserver.raw["GET"] == []
+    lines = [r.getMessage() for r in caplog.records if "resourceslices not published" in r.getMessage()]
+    assert len(lines) == 3 and all("\n" not in line and "answer from the API server" in line for line in lines)
+    apiserver.put_claim(claim())
+    assert running.kubelet.prepare(CLAIM).claims["uid-1"].error == ""  # still serving
+
+
 def test_a_claim_on_the_api_server_is_prepared_and_unprepared(env, apiserver, running):
     apiserver.put_claim(claim(results=[result(memory="20Gi", compute="25")]))
     entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
@@ -157,7 +176,7 @@ def test_mpsd_run_starts_the_dra_plugin_and_a_failure_makes_the_node_not_ready(t
         raise KubeAPIError("get Node n: cannot reach the API server: connection refused")
 
     monkeypatch.setattr(service, "run_dra", failing)
-    run = _start_dra(config, board, None, lambda: [], threading.Event())
+    run = _start_dra(config, board, None, list, threading.Event())
     run.thread.join(30)
     assert calls and calls[0]["shim_library"] == str(library) and calls[0]["state_dir"] == str(tmp_path)
     assert _ready(board, None, run) == (False, "DRA plugin stopped: get Node n: cannot reach the API server: "

@@ -153,7 +153,7 @@ def test_get_proc_address_picks_the_variant_the_version_and_flags_ask_for(run_py
         fake_env(),
     )
     assert len(r.records) == len(PROC_TABLE)
-    for rec, (_, _, _, _, status) in zip(r.records, PROC_TABLE):
+    for rec, (_, _, _, _, status) in zip(r.records, PROC_TABLE, strict=True):
         assert rec["got"] == rec["want"], rec
         assert rec["status"] == status, rec
 

@@ -46,7 +46,7 @@ def test_threads_and_processes_never_exceed_the_cap(shim_env, shim_lib, tmp_path
     finally:
         for p in procs:
             p.kill()
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert all(r["errors"] == [] for r in results), results

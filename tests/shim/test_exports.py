@@ -35,7 +35,7 @@ def test_every_hook_in_the_table_is_exported() -> None:
 
 def test_no_python_symbol_and_only_libc_imports(shim_lib: Path) -> None:
     names = dynamic_symbols(shim_lib)
-    assert not [n for n in names if n.startswith("Py") or n.startswith("_Py")]
+    assert not [n for n in names if n.startswith(("Py", "_Py"))]
     undefined = dynamic_symbols(shim_lib, "--undefined-only")
     strong = subprocess.run(
         ["nm", "-D", "--undefined-only", str(shim_lib)], capture_output=True, text=True, check=True

@@ -66,18 +66,18 @@ def test_a_device_plugin_that_stops_makes_the_node_not_ready(tmp_path, monkeypat
         raise PluginError("kubelet registration refused: unknown API version")
 
     monkeypatch.setattr(mpsd.plugin, "run_plugin", failing)
-    plugin = _start_plugin(config, board, None, lambda: [], threading.Event())
+    plugin = _start_plugin(config, board, None, list, threading.Event())
     plugin.thread.join(30)
     assert calls and calls[0]["shim_library"] == str(library)
     assert _ready(board, plugin) == (False, "device plugin stopped: kubelet registration refused: unknown API version")
 
     monkeypatch.setattr(mpsd.plugin, "run_plugin", lambda config, **kwargs: None)  # returns without a stop
-    plugin = _start_plugin(config, board, None, lambda: [], threading.Event())
+    plugin = _start_plugin(config, board, None, list, threading.Event())
     plugin.thread.join(30)
     assert _ready(board, plugin) == (False, "device plugin stopped without being asked to")
 
     stop = threading.Event()
     stop.set()
-    plugin = _start_plugin(config, board, None, lambda: [], stop)  # asked to stop: no problem
+    plugin = _start_plugin(config, board, None, list, stop)  # asked to stop: no problem
     plugin.thread.join(30)
     assert plugin.problem == ""

@@ -31,7 +31,7 @@ def test_the_device_plugin_does_not_start_on_a_missing_library_and_readyz_says_w
     missing = tmp_path / "nope.so"
     config = _config(**{"shim-library": str(missing), "device-plugin": "true"})
     board = HealthBoard()
-    plugin = _start_plugin(config, board, None, lambda: [], threading.Event())
+    plugin = _start_plugin(config, board, None, list, threading.Event())
     assert plugin.thread is None
     ready, reason = _ready(board, plugin)
     assert not ready
