@@ -16,7 +16,16 @@ from typing import Any, Callable, Mapping
 
 from . import yamlfile
 from .errors import ConfigError
-from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage, parse_size
+from .units import (
+    LIMITS_FORM,
+    SHOWN,
+    format_limits,
+    is_decimal,
+    parse_duration,
+    parse_limits,
+    parse_percentage,
+    parse_size,
+)
 
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")

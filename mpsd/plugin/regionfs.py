@@ -128,8 +128,8 @@ def _lock(fd: int, path: str, wait: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise OSError(errno.EAGAIN, f"cannot mount a tmpfs at {path}: another mounter held the lock on its parent "
-                                 f"directory for {wait:g}s") from None
+                raise OSError(errno.EAGAIN, f"cannot mount a tmpfs at {path}: another mounter held the lock "
+                                            f"on its parent directory for {wait:g}s") from None
             time.sleep(0.05)
 
 

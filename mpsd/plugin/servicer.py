@@ -195,7 +195,9 @@ def allocate_response(grant: Grant) -> api_pb2.ContainerAllocateResponse:
     """A backend's grant as the kubelet takes it: environment and mounts."""
     return api_pb2.ContainerAllocateResponse(
         envs=grant.env,
-        mounts=[api_pb2.Mount(container_path=m.container, host_path=m.host, read_only=m.read_only) for m in grant.mounts],
+        mounts=[
+            api_pb2.Mount(container_path=m.container, host_path=m.host, read_only=m.read_only) for m in grant.mounts
+        ],
     )
 
 

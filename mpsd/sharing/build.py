@@ -101,7 +101,7 @@ def record(state_dir: str, backend: Backend, choice: Choice) -> dict:
             "shim": config_shim(backend)}
     try:
         write_atomic(os.path.join(state_dir, SHARING_FILE), json.dumps(data, indent=1).encode())
-    except Exception as exc:  # status only: never a reason not to serve
+    except (OSError, ValueError) as exc:  # status only: never a reason not to serve
         log.warning("%s not written: %s", SHARING_FILE, exc)
     return data
 

@@ -42,9 +42,11 @@ def pod_cgroup_candidates(root: str, uid: str) -> list[str]:
     under = uid.replace("-", "_")
     out = []
     for qos in QOS:
-        out.append(os.path.join(root, "kubepods", qos, f"pod{uid}") if qos else os.path.join(root, "kubepods", f"pod{uid}"))
+        cgroupfs = ("kubepods", qos) if qos else ("kubepods",)
+        out.append(os.path.join(root, *cgroupfs, f"pod{uid}"))
         if qos:
-            out.append(os.path.join(root, "kubepods.slice", f"kubepods-{qos}.slice", f"kubepods-{qos}-pod{under}.slice"))
+            slice_dir = os.path.join(root, "kubepods.slice", f"kubepods-{qos}.slice")
+            out.append(os.path.join(slice_dir, f"kubepods-{qos}-pod{under}.slice"))
         else:
             out.append(os.path.join(root, "kubepods.slice", f"kubepods-pod{under}.slice"))
     return [os.path.normpath(p) for p in out]

@@ -84,7 +84,7 @@ class V3Supervision:
         self.config = config
         control = self.control()
         servers = control.server_list()
-        missing = sorted({n for n in self.backend.wanted()} - {s.name for s in servers})
+        missing = sorted(set(self.backend.wanted()) - {s.name for s in servers})
         if missing:
             raise ControlError(f"MPS v3 daemon lists no server {', '.join(missing)} of mpsd's file {self.toml_path}")
         changes, problems = self.backend.reconcile(control, servers)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from functools import partial
 from typing import Callable, Iterable, Sequence
 
 from ..control import CommandRejected
@@ -51,7 +52,7 @@ class V3Backend:
         paths: HostPaths,
         control: Callable[[], Control3],
         gpus: Callable[[], Sequence[GpuLike]],
-        defaults: Limits3 = Limits3(),
+        defaults: Limits3 | None = None,
         uid: int | None = None,
         shim: str = "auto",
         memory: CgroupLimits | None = None,
@@ -60,7 +61,7 @@ class V3Backend:
         self.paths = paths
         self.control = control  # a front-end bounded by healthTimeout
         self.gpus = gpus  # the managed GPUs (NVML), for the servers of the TOML
-        self.defaults = defaults  # each server's own limits (its default namespace)
+        self.defaults = defaults or Limits3()  # each server's own limits (its default namespace)
         self.uid = uid  # None: a multi-user daemon (-m)
         self.shim_mode = shim  # mps.shim: auto | on | off
         self.memory = memory  # the driver's limits per cgroup; None where it has none
@@ -320,20 +321,20 @@ class V3Backend:
             have = {n.name: n.limits for n in control.namespace_list(server.name)}
             if "default" in have and not same_limits(self.defaults, have["default"]):
                 attempt(f"{server.name}/default limits {_shown(have['default'])} restored",
-                        lambda s=server.name: control.namespace_set(s, "default", self.defaults))
+                        partial(control.namespace_set, server.name, "default", self.defaults))
             for ns, want in sorted(mine.items()):
                 if ns not in have:
                     attempt(f"{server.name}/{ns} missing, created",
-                            lambda s=server.name, n=ns, w=want: control.namespace_create(s, n, w))
+                            partial(control.namespace_create, server.name, ns, want))
                 elif not same_limits(want, have[ns]):
                     attempt(f"{server.name}/{ns} limits {_shown(have[ns])} restored",
-                            lambda s=server.name, n=ns, w=want: control.namespace_set(s, n, w))
+                            partial(control.namespace_set, server.name, ns, want))
             for ns in sorted(set(have) - set(mine)):
                 if is_ours(ns):
                     attempt(f"{server.name}/{ns} of no live slice deleted",
-                            lambda s=server.name, n=ns: control.namespace_delete(s, n))
-        for server in sorted(set(wanted) - {s.name for s in servers}):
-            problems.append(f"server {server} not listed by the daemon: its {len(wanted[server])} namespace(s) wait")
+                            partial(control.namespace_delete, server.name, ns))
+        for name in sorted(set(wanted) - {s.name for s in servers}):
+            problems.append(f"server {name} not listed by the daemon: its {len(wanted[name])} namespace(s) wait")
         return changes, problems
 
     def namespace_sockets(self) -> tuple[str, ...]:

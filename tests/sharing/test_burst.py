@@ -18,8 +18,6 @@ from mpsd.errors import DraError, PluginError
 from mpsd.plugin import run_plugin
 from mpsd.plugin.slicing import plan_allocation
 from mpsd.sharing.burst import burst_limits
-from mpsd.sharing.build import build
-from mpsd.sharing.detect import Choice
 from mpsd.sharing.memory import cgroup_v2_path
 from mpsd.sharing.toml3 import namespace_name
 

@@ -29,7 +29,7 @@ from mpsd.sharing.toml3 import namespace_name
 
 from ..dra.conftest import Claims, claim, result
 
-from ..plugin.conftest import allocate, gpus, stub
+from ..plugin.conftest import allocate, stub
 from .conftest import wait_for
 from .test_v3_node import GPUS, node, plugin, up  # noqa: F401 (fixtures)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import grpc
