@@ -34,6 +34,7 @@ ALLOCATION_LABELS = ("allocation", "pod", "namespace", "container", "gpu")
 CLAIM_LABELS = ("claim", "namespace", "pod", "gpu")
 REGION_KINDS = ("allocation", "exec")  # a device-plugin allocation's region, an mpsd exec region
 # why a region was refused (shim.RegionError.reason); "missing" (gone meanwhile) is no refusal
+DRA_GATES = ("DRAConsumableCapacity", "DRADeviceTaints")  # whose fields the API server may drop
 REFUSAL_REASONS = ("corrupted", "not_regular", "too_large", "unreadable")
 
 
@@ -199,6 +200,25 @@ class Metrics:
         for kind in REGION_KINDS:  # exported from the start, at 0: increase() sees the first refusal
             for reason in REFUSAL_REASONS:
                 self.regions_refused.labels(kind, reason)
+        self.dra_slice_writes = Counter(
+            "mpsd_dra_slice_writes",
+            "ResourceSlices of the node's DRA pool written (created or replaced); each pool write bumps its generation",
+            registry=r,
+        )
+        self.dra_fields_dropped = Gauge(
+            "mpsd_dra_slice_fields_dropped",
+            "1 while the API server drops fields of mpsd's ResourceSlices: the feature gate named is off there",
+            ["gate"],
+            registry=r,
+        )
+        for gate in DRA_GATES:  # exported from the start, at 0
+            self.dra_fields_dropped.labels(gate).set(0)
+        self.dra_device_tainted = Gauge(
+            "mpsd_dra_device_tainted",
+            "1 for each GPU whose devices carry mpsd's taint in the node's ResourceSlices (reason, effect)",
+            ["gpu", "reason", "effect"],
+            registry=r,
+        )
 
     # -- supervisor --------------------------------------------------------------------
 
@@ -369,6 +389,22 @@ class Metrics:
             return False
         self.regions_refused.labels(kind, reason).inc()
         return True
+
+    # -- DRA ResourceSlices ------------------------------------------------------------
+
+    def slices_written(self, count: int) -> None:
+        self.dra_slice_writes.inc(count)
+
+    def set_slice_fields_dropped(self, gates: Iterable[str]) -> None:
+        """The gates whose fields the API server dropped at the last write (1), the others 0."""
+        dropped = set(gates)
+        with self._lock:
+            self._replace(self.dra_fields_dropped, {(g,): 1.0 if g in dropped else 0.0 for g in {*DRA_GATES, *dropped}})
+
+    def set_device_taints(self, taints: Mapping[int, tuple[str, str]]) -> None:
+        """{GPU index: (reason, effect)} of the GPUs tainted now; replaces the last set."""
+        with self._lock:
+            self._replace(self.dra_device_tainted, {(str(g), r, e): 1.0 for g, (r, e) in taints.items()})
 
     def _replace(self, gauge: Gauge, values: Mapping[tuple[str, ...], float]) -> None:
         """Set every label set in ``values`` and remove the ones set last time but not now

@@ -14,6 +14,7 @@ from mpsd.dra.slices import (
     build_slices,
     capacity_device,
     comparable,
+    dropped_fields,
     quantity,
     semver,
     slice_name_prefix,
@@ -184,3 +185,29 @@ def test_every_pool_passes_the_schema_and_the_api_rules(gpus: list[Gpu], mode: s
     for obj in build_slices(build_devices(gpus, mode, n, driver, taints=taints), "gpu.mpsd.io", "node-a", 1):
         kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
         assert resource_slice_errors(obj) == []
+
+
+TAINT = {"key": "gpu.mpsd.io/unhealthy", "value": "MPSDaemonDown", "effect": "NoSchedule"}
+
+
+def _strip(device: dict, *fields: str) -> dict:
+    out = {k: v for k, v in device.items() if k not in fields}
+    if "requestPolicy" in fields:
+        out["capacity"] = {k: {f: x for f, x in c.items() if f != "requestPolicy"} for k, c in device["capacity"].items()}
+    return out
+
+
+@pytest.mark.parametrize("stored, dropped", [
+    (lambda d: d, {}),
+    (lambda d: {**d, "taints": [{**TAINT, "timeAdded": "2026-05-01T10:00:00Z"}]}, {}),  # the server's time
+    (lambda d: _strip(d, "allowMultipleAllocations", "requestPolicy"),
+     {"DRAConsumableCapacity": ["allowMultipleAllocations", "capacity.requestPolicy"]}),
+    (lambda d: _strip(d, "taints"), {"DRADeviceTaints": ["taints"]}),
+    (lambda d: _strip(d, "taints", "allowMultipleAllocations", "requestPolicy"),
+     {"DRAConsumableCapacity": ["allowMultipleAllocations", "capacity.requestPolicy"], "DRADeviceTaints": ["taints"]}),
+    (lambda d: {**d, "attributes": {}}, {"unknown": ["attributes"]}),
+    (lambda d: {**d, "name": "gpu-9"}, {"unknown": ["devices"]}),
+])
+def test_dropped_fields_name_the_gate(stored, dropped: dict) -> None:
+    (sent,) = build_devices([H100], "capacity", 4, taints={0: [TAINT]})
+    assert dropped_fields([sent], [stored(sent)]) == dropped
