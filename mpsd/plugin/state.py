@@ -3,11 +3,19 @@
 A snapshot (one JSON file, replaced atomically: a temporary file in the same directory,
 fsync, rename, fsync the directory) plus an append-only journal of the changes since
 (one JSON line per change, fdatasync'd before the change returns). See ``StateStore``.
+
+Two mpsd processes may share one state file for a while: during a rolling update the old and
+the new instance of the DaemonSet's pod serve the kubelet side by side (docs/operations.md).
+The store's lock is therefore also a file lock (``<path>.lock``, flock) across processes, and
+whoever takes it first reads again what another process wrote since (the snapshot or the
+journal changed under it), so a change is never made to, nor a snapshot written from, a stale
+copy. The wait for it is bounded (LOCK_WAIT seconds): a PluginError names the lock file.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -23,6 +31,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 JOURNAL_SUFFIX = ".journal"
+LOCK_SUFFIX = ".lock"
+LOCK_WAIT = 20.0  # seconds another process may hold the state's lock (it does for one change)
 
 
 @dataclass(frozen=True)
@@ -90,13 +100,14 @@ class StateStore:
         self.record = record
         self.journal_path = path + JOURNAL_SUFFIX
         self.compact_every = compact_every  # journal lines that make a write compact at once
-        self.lock = threading.RLock()
+        self.lock = SharedLock(path + LOCK_SUFFIX, self._refresh)
         self._allocations: dict[str, Allocation] = {}
         self._journal_fd: int | None = None
         self._journal_size = 0
         self.journal_lines = 0
+        self._seen: tuple | None = None  # the files as this store last read or wrote them (None: not loaded)
 
-    def load(self) -> dict[str, Allocation]:
+    def load(self, quiet: bool = False) -> dict[str, Allocation]:
         """Read the snapshot and replay the journal. A damaged snapshot is moved aside and
         reported, not fatal; a damaged journal line ends the replay, the journal is moved aside."""
         with self.lock:
@@ -117,10 +128,31 @@ class StateStore:
                 allocations = []
             self._allocations = {a.allocation_id: a for a in allocations}
             replayed = self._replay()
-            log.info(
-                "state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed
+            self.journal_lines = replayed
+            self._seen = self._files()
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed,
             )
             return dict(self._allocations)
+
+    def _files(self) -> tuple:
+        """(inode, size, mtime) of the snapshot and the journal: another process's write changes them."""
+        out = []
+        for path in (self.path, self.journal_path):
+            try:
+                st = os.lstat(path)
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _refresh(self) -> None:
+        """Read the files again if another process changed them since this store last did
+        (called with the lock just taken). Before the first load there is nothing to refresh."""
+        if self._seen is not None and self._files() != self._seen:
+            log.info("state changed by another process, read again path=%s", self.path)
+            self.load(quiet=True)
 
     def _replay(self) -> int:
         try:
@@ -212,6 +244,7 @@ class StateStore:
                 raise PluginError(f"cannot empty {self.journal_path}: {exc.strerror or exc}") from exc
             self._journal_size = 0
             self.journal_lines = 0
+            self._seen = self._files()
 
     def close(self) -> None:
         with self.lock:
@@ -236,6 +269,8 @@ class StateStore:
             raise PluginError(f"cannot write {self.journal_path}: {exc.strerror or exc}") from exc
         self._journal_size += len(line)
         self.journal_lines += 1
+        if self._seen is not None:
+            self._seen = self._files()
 
     def _journal(self) -> int:
         """The journal's descriptor, opened once; a line a crash cut short is cut off first, so
@@ -268,6 +303,81 @@ class StateStore:
         self._journal_fd = fd
         self._journal_size = size
         return fd
+
+
+class SharedLock:
+    """Re-entrant within the process (an RLock), exclusive across processes (flock on ``path``)
+    while held; ``on_acquire`` runs each time a thread takes it first (not when it re-enters).
+    A lock file that cannot be opened (a read-only directory) leaves the process-local lock:
+    logged once; a lock another process holds longer than ``wait`` seconds is a PluginError."""
+
+    def __init__(self, path: str, on_acquire=lambda: None, wait: float = LOCK_WAIT) -> None:
+        self.path, self.on_acquire, self.wait = path, on_acquire, wait
+        self._rlock = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+        self._warned = False
+
+    def __enter__(self) -> "SharedLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> bool:
+        self._rlock.acquire()
+        if self._depth == 0:
+            try:
+                self._lock_file()
+                self._depth = 1
+                self.on_acquire()
+            except BaseException:
+                self._depth = 0
+                self._unlock_file()
+                self._rlock.release()
+                raise
+        else:
+            self._depth += 1
+        return True
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._unlock_file()
+        self._rlock.release()
+
+    def _lock_file(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            if not self._warned:
+                log.warning("state lock file unusable, this process alone is guarded path=%s error=%s",
+                            self.path, exc.strerror or exc)
+                self._warned = True
+            return
+        deadline = time.monotonic() + self.wait
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise PluginError(f"state lock {self.path} held by another process for {self.wait:g}s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            except OSError as exc:
+                os.close(fd)
+                raise PluginError(f"cannot lock {self.path}: {exc.strerror or exc}") from exc
+        self._fd = fd
+
+    def _unlock_file(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases its flock
+            self._fd = None
 
 
 def _move_aside(path: str) -> str:
