@@ -6,7 +6,9 @@ Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's 
             gpu_lister=None)
 
 - the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
-  its pool has the node's name (mpsd/dra/slices.py publishes it so);
+  its pool has the node's name (mpsd/dra/slices.py publishes it so); ``POD_UID`` names this
+  instance's sockets, so that the old and the new pod of a rolling update overlap
+  (mpsd/dra/kubeletplugin.py);
 - the node's ResourceSlices are published (mpsd/dra/publisher.py) once the plugin serves and kept
   current (mpsd/dra/keeper.py: a watch of the node's slices, the health board's taints, the GPUs
   listed every PUBLISH_INTERVAL), checked again when the kubelet registers the plugin, and left
@@ -35,6 +37,7 @@ from typing import Callable, Mapping, Sequence
 from ..errors import MpsdError
 from ..health import HealthBoard
 from ..plugin.response import SHIM_NAME, HostPaths
+from ..plugin.served import instance_id
 from ..plugin.slicing import GpuLike
 from ..plugin.state import StateStore, install_file
 from ..plugin.usage import shim_usage
@@ -77,7 +80,7 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
-          metrics=None, shim_library: str | None = None) -> DraPlugin:
+          metrics=None, shim_library: str | None = None, instance: str | None = None) -> DraPlugin:
     """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
     series every 10 s (regions read through ``shim_library``)."""
     dp, dra = config.device_plugin, config.dra
@@ -91,7 +94,8 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
     usage = None
     if metrics is not None:
         usage = ClaimUsageReader(preparer.prepared, functools.partial(shim_usage, library=shim_library), metrics)
-    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage)
+    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage,
+                     instance=instance_id() if instance is None else instance)
 
 
 def run_dra(
@@ -106,8 +110,10 @@ def run_dra(
     state_dir: str | None = None,
     api=None,
     gpu_lister: Callable[[], Sequence[GpuLike]] | None = None,
+    instance: str | None = None,
 ) -> None:
-    """Serve the DRA plugin until ``stop`` is set (see the module docstring)."""
+    """Serve the DRA plugin until ``stop`` is set (see the module docstring); ``instance``
+    names its sockets (default: ``POD_UID``)."""
     state_dir = state_dir or config.state_dir
     own_api = api is None
     watcher = None
@@ -120,7 +126,7 @@ def run_dra(
     dra = config.dra
     try:
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
-                       node=node, metrics=metrics, shim_library=shim_library)
+                       node=node, metrics=metrics, shim_library=shim_library, instance=instance)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         publisher = SlicePublisher(api, dra.driver_name, node, dra.mode, config.device_plugin.slices_per_gpu,
