@@ -131,7 +131,6 @@ def run_dra(
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         publisher = SlicePublisher(api, dra.driver_name, node, dra.mode, config.device_plugin.slices_per_gpu,
                                    node_uid=_node_uid(api, node), metrics=metrics)
-        plugin.registration.on_registered = publisher.invalidate  # the kubelet wipes slices at its start
         watch = getattr(watcher or api, "watch_resource_slices", None)
         keeper = SliceKeeper(
             publisher, gpus, board=board, tainter=Tainter(dra.driver_name, dra.taint_effect, dra.taint_after),
@@ -139,6 +138,11 @@ def run_dra(
             watch=functools.partial(watch, dra.driver_name, node) if watch else None, interval=PUBLISH_INTERVAL,
             metrics=metrics,
         )
+        def registered() -> None:  # the kubelet deletes the node's slices when it starts: check at once
+            publisher.invalidate()
+            keeper.wake.set()
+
+        plugin.registration.on_registered = registered
         try:
             plugin.start()
             keeper.run(stop)
