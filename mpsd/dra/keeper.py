@@ -78,12 +78,13 @@ class SliceKeeper:
                 self.publish_once()
                 self.failures, last = 0, ""
                 wait = self._next_wait()
-            except (MpsdError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 (an answer of a shape nobody expected too: retried, not fatal)
                 self.failures += 1
                 wait = self.delay(self.failures)
-                if str(exc) != last:
-                    log.error("resourceslices not published (retrying with back-off, next in %.1fs): %s", wait, exc)
-                last = str(exc)
+                text = str(exc) if isinstance(exc, (MpsdError, ValueError)) else f"{type(exc).__name__}: {exc}"
+                if text != last:
+                    log.error("resourceslices not published (retrying with back-off, next in %.1fs): %s", wait, text)
+                last = text
                 if stop.wait(wait):  # a failure waits its back-off whatever wakes the loop
                     return
                 continue
@@ -154,7 +155,7 @@ class SliceKeeper:
                         self.publisher.invalidate()
                         self.wake.set()
                 stop.wait(self.delay(1))  # the watch ended without an error: open the next one, not in a spin
-            except MpsdError as exc:
+            except Exception as exc:  # noqa: BLE001 (the watch is an optimization: it backs off, never dies)
                 if stop.is_set():
                     return
                 failures += 1

@@ -159,3 +159,29 @@ def test_an_api_server_that_is_down_sees_requests_further_and_further_apart(apis
     assert 3 <= hits <= 3.0 / 0.2 + 4  # once grown: at least 0.2 s between tries
     apiserver.refuse = False
     assert wait_for(lambda: devices(apiserver) == ["gpu-0", "gpu-1"], timeout=10)
+
+
+def test_an_unexpected_error_is_retried_not_fatal(apiserver: StandInAPIServer, api: KubeAPI) -> None:
+    publisher = SlicePublisher(api, DRIVER, NODE, "capacity", 4)
+    calls = []
+
+    class Flaky:
+        own_versions: set[str] = set()
+
+        def publish(self, *args: Any) -> bool:
+            calls.append(1)
+            if len(calls) <= 2:
+                raise KeyError("pool")  # e.g. a slice list of an unexpected shape
+            return publisher.publish(*args)
+
+    stop = threading.Event()
+    keeper = SliceKeeper(Flaky(), GPUS, interval=0.05, delay=lambda n: 0.05)  # type: ignore[arg-type]
+    thread = threading.Thread(target=keeper.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: devices(apiserver) == ["gpu-0", "gpu-1"])
+        assert len(calls) >= 3
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
