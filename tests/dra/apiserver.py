@@ -113,6 +113,7 @@ class StandInAPIServer:
         self.gates_off: set[str] = set()
         self.events: list[tuple[int, str, Obj]] = []  # (resourceVersion, type, slice) of every change
         self.hits = 0
+        self.stall_watches = False  # a watch answers its headers, then nothing, ever (a half-open connection)
         self.delay = 0.0
         self.refuse = False
         self.fail: dict[str, list[int | None]] = {}  # method -> status codes of its next requests (None: serve)
@@ -362,6 +363,11 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/json")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            if server.stall_watches:
+                self.wfile.flush()
+                server._stopping.wait()
+                self.close_connection = True
+                return
             try:
                 for event in events:
                     if server._stopping.is_set():  # the server went away: the connection breaks

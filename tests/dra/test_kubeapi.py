@@ -205,3 +205,19 @@ def test_a_rotated_service_account_token_is_read_again(tls_server: StandInAPISer
         assert excinfo.value.status == 401
         (account / "token").write_text("rotated-token\n")
         assert api.get_resource_claim("team-a", "llm-gpu") == CLAIM
+
+
+def test_a_watch_that_stalls_ends_within_its_bound(apiserver, kubeconfig):
+    """lightkube leaves a watch's reads unbounded: a connection that stays open and silent (half
+    open) would hold the watch for ever. It ends after server_timeout + the client's timeout."""
+    import time
+
+    from mpsd.dra.kubeapi import KubeAPI
+    from mpsd.errors import KubeAPIError
+
+    apiserver.stall_watches = True
+    with KubeAPI.from_environment(timeout=1) as api:
+        t0 = time.monotonic()
+        with pytest.raises(KubeAPIError, match="^watch ResourceSlices of driver gpu.mpsd.io on node node-a: no answer"):
+            next(api.watch_resource_slices("gpu.mpsd.io", "node-a", server_timeout=1))
+        assert time.monotonic() - t0 < 10
