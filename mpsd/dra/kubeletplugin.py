@@ -43,7 +43,7 @@ import grpc
 
 from ..errors import DraError, MpsdError, one_line
 from ..plugin.served import UNIX_PATH_MAX, ServedSocket, remove_stale_sockets
-from ..plugin.state import SharedLock
+from ..plugin.sharedlock import SharedLock
 from . import (
     cdi,
     dra_v1_pb2,
