@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--claims", default="1,16", help="claims per call, comma-separated")
+    parser.add_argument("--instance", default="", help="an instance name (POD_UID): calls serialized across instances")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     root = tempfile.mkdtemp(prefix="drab")
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             store=StateStore(f"{root}/state/dra-state.json", record=PreparedClaim),
             get_claim=lambda ns, name: claims[(ns, name)], dev_dir=f"{root}/dev",
         )
-        plugin = DraPlugin(preparer, plugins_dir=f"{root}/plugins", registry_dir=f"{root}/registry")
+        plugin = DraPlugin(preparer, plugins_dir=f"{root}/plugins", registry_dir=f"{root}/registry",
+                           **({"instance": args.instance} if args.instance else {}))
         plugin.start()
         channel = grpc.insecure_channel("unix://" + plugin.socket_path, options=[("grpc.enable_http_proxy", 0)])
         stub = dra_v1_pb2_grpc.DRAPluginStub(channel)

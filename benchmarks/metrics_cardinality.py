@@ -62,6 +62,7 @@ def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processe
     m.set_claims(
         ClaimUsage(f"claim-{tag}-{i}", "ns", f"pod-{tag}-{i}", i % gpus, 4 * G, 25.0, G) for i in range(claims)
     )
+    m.set_device_taints({0: ("MPSServerFault", "NoSchedule")} if claims else {})  # a DRA node with a tainted GPU
 
 
 def series_count(m: Metrics) -> int:

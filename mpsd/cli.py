@@ -1,4 +1,4 @@
-"""Command line: ``mpsd run | status | check-config | exec``. Only wiring: flags onto config.
+"""Command line: ``mpsd run | status | check-config | exec | dra-remove-slices``. Only wiring: flags onto config.
 
 Every config key has a flag (``--pipe-dir``) and an environment variable (``MPSD_PIPE_DIR``);
 precedence flag > env > file > default. A malformed file, flag or env value exits 2 with one
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--no-shim", action="store_true", help="do not preload libmpsshim.so (MPS limits only)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    rm = sub.add_parser("dra-remove-slices",
+                        help="delete this node's ResourceSlices of the DRA driver (DRA turned off, mpsd uninstalled)")
+    _add_config_flags(rm)
+    rm.add_argument("--node", default=None, help="the node (default: NODE_NAME, else the host name)")
     return parser
 
 
@@ -140,6 +144,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from .status import status_main
 
             return status_main(config, as_json=args.json)
+        if args.command == "dra-remove-slices":
+            from .dra.service import remove_slices
+
+            print(f"{remove_slices(config, args.node)} ResourceSlice(s) of {config.dra.driver_name} deleted")
+            return 0
         return _exec(args, config, env)
     except ConfigError as exc:
         print(f"mpsd: {one_line(exc)}", file=sys.stderr)

@@ -327,6 +327,10 @@ SETTINGS: tuple[Setting, ...] = (
             "kubelet plugin registration directory: <driverName>-reg.sock"),
     Setting("dra.cdiDir", "dra-cdi-dir", _path, "/var/run/cdi",
             "CDI spec directory the container runtime reads (a real directory, not a symlink)"),
+    Setting("dra.taintAfter", "dra-taint-after", _duration, "30s",
+            "a GPU unhealthy this long gets a taint on its devices in the node's ResourceSlices"),
+    Setting("dra.taintEffect", "dra-taint-effect", _choice(("NoSchedule", "NoExecute", "none")), "NoSchedule",
+            "effect of that taint: NoSchedule | NoExecute (evicts pods that do not tolerate it) | none (no taints)"),
 )
 # fmt: on
 BY_KEY = {s.key: s for s in SETTINGS}
@@ -359,6 +363,8 @@ class DraConfig:
     plugins_dir: str = "/var/lib/kubelet/plugins"
     registry_dir: str = "/var/lib/kubelet/plugins_registry"
     cdi_dir: str = "/var/run/cdi"
+    taint_after: float = 30.0
+    taint_effect: str = "NoSchedule"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.core_v1 import Node
+from lightkube.types import OnErrorAction, OnErrorResult
 
 from ..errors import KubeAPIError, one_line
 from .bounded import AnswerRefused, BoundedTransport, bounded
@@ -48,6 +49,7 @@ DEFAULT_TIMEOUT = 10.0
 # ResourceSlices are a few hundred KiB: 8 MiB leaves room and keeps 8 calls at once far from
 # the daemon's memory.
 MAX_ANSWER = 8 << 20
+WATCH_SECONDS = 240  # the server ends a watch after this (timeoutSeconds); lightkube opens the next
 FIELD_MANAGER = "mpsd"
 ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourceslices")
 ResourceClaim = create_namespaced_resource(GROUP, VERSION, "ResourceClaim", "resourceclaims")
@@ -161,9 +163,39 @@ class KubeAPI:
     def delete_resource_slice(self, name: str) -> None:
         self._call(f"delete ResourceSlice {name}", lambda: self._client.delete(ResourceSlice, name))
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def watch_resource_slices(self, driver: str, node: str,
+                              server_timeout: int = WATCH_SECONDS) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(event type, slice) for this node's ResourceSlices of ``driver``: ADDED for each one
+        there at the start (a watch without resourceVersion), then ADDED, MODIFIED and DELETED as
+        they happen. The server ends each request after ``server_timeout`` seconds and lightkube
+        opens the next from the last resourceVersion seen (from scratch after a 410 Gone). A read
+        waits at most ``server_timeout`` + the client's timeout (lightkube leaves watch reads
+        unbounded: a half-open connection would wait forever). KubeAPIError when it fails; a
+        caller stops it by closing this client."""
+        what = f"watch ResourceSlices of driver {driver} on node {node}"
+        fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
+        generic = getattr(self._client, "_client", None)
+        if generic is not None and hasattr(generic, "_watch_timeout"):
+            generic._watch_timeout = httpx2.Timeout(self.timeout, read=server_timeout + self.timeout)
+        events: Any = self._call(what, lambda: self._client.watch(  # a generator: close() ends it
+            ResourceSlice, fields=fields, server_timeout=server_timeout, on_error=_retry_gone))
+        waits = server_timeout + self.timeout  # an event may come at any time before the server ends the watch
+        while True:
+            try:
+                event = self._call(what, lambda: next(events, None), timeout=waits)
+            except KubeAPIError:
+                events.close()
+                raise
+            if event is None:
+                return
+            kind, obj = event
+            yield kind, obj.to_dict()
+
+    def _call(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """``fn()`` under one budget: ``timeout`` (default the client's) seconds in all, at most
+        max_answer bytes read; every failure is a one-line KubeAPIError."""
         try:
-            with bounded(self.timeout, self.max_answer):
+            with bounded(self.timeout if timeout is None else timeout, self.max_answer):
                 return fn()
         except AnswerRefused as e:
             raise KubeAPIError(f"{what}: refused the API server's {e}") from e
@@ -209,6 +241,13 @@ def slice_shape_error(obj: Any) -> str | None:
         if device.get("capacity") is not None and not isinstance(device["capacity"], dict):
             return f"spec.devices[{j}].capacity is not an object"
     return None
+
+
+def _retry_gone(error: Exception, count: int) -> OnErrorResult:
+    """A watch's resourceVersion too old (410 Gone): lightkube starts over without it; anything
+    else ends the watch (the caller backs off)."""
+    status = getattr(getattr(error, "status", None), "code", None)
+    return OnErrorResult(OnErrorAction.RETRY if status == 410 and count < 3 else OnErrorAction.RAISE)
 
 
 def _name(obj: dict[str, Any]) -> str:

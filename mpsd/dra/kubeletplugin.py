@@ -11,23 +11,42 @@
   Prepare calls run at once (each may wait on the API server for its whole timeout); one more
   is answered "busy" at once, so Unprepare, which needs no API call, always finds a thread.
 
+Seamless upgrades (``instance``, the pod's UID: mpsd/plugin/served.py). Kubelets since 1.33
+keep every registered instance of a driver, each under its own endpoint, and call the newest
+one that is connected (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go: ``add`` refuses a
+second registration of one endpoint, ``get`` prefers the most recent connected plugin); they
+wipe a driver's ResourceSlices only when none is connected for 30 s. So each instance names
+its sockets after itself, ``<driver>-<uid>-reg.sock`` (shortened to a hash of the UID, then of
+driver and UID, where the path would not fit a socket address, as the DRA helper's
+RollingUpdateRegistrarSocketFile chooses) and ``dra-<uid>.sock``, and the old and the new
+mpsd of a DaemonSet with ``maxSurge`` overlap: the kubelet moves to the new one when it
+registers, and the old one finishes its calls and goes. Either may be asked to unprepare what
+the other prepared: every call takes ``<pluginsDir>/<driver>/serialize.lock`` (flock, as the
+helper's Serialize does across instances) and the state store reads again what the other
+wrote (mpsd/plugin/state.py). Sockets of earlier instances nobody serves are removed at start.
+
 A watchdog serves a socket again when it was deleted or replaced (the kubelet's directories
 may be wiped while mpsd runs).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import functools
+import glob
+import hashlib
 import logging
 import os
 import threading
 from concurrent import futures
-from typing import Callable
+from typing import Callable, ContextManager
 
 import grpc
 
 from ..errors import DraError, MpsdError, one_line
-from ..plugin.served import ServedSocket
+from ..plugin.served import UNIX_PATH_MAX, ServedSocket, remove_stale_sockets
+from ..plugin.sharedlock import SharedLock
 from . import (
     cdi,
     dra_v1_pb2,
@@ -46,13 +65,31 @@ log = logging.getLogger(__name__)
 PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 DRA_SOCKET = "dra.sock"
+SERIALIZE_LOCK = "serialize.lock"
+SERIALIZE_WAIT = 30.0  # inside the kubelet's 45 s call timeout
 WORKERS = 8  # claims of one call prepared at once (each may wait on the API server)
 PREPARE_SLOTS = WORKERS  # NodePrepareResources calls at once; one more is answered "busy" at once
 RESERVED_THREADS = 2  # gRPC threads no Prepare takes: Unprepare (no API call) answers while Prepares wait
 
 
-def registration_socket_name(driver: str) -> str:
-    return f"{driver}-reg.sock"
+def registration_socket_name(driver: str, instance: str = "", registry_dir: str = "") -> str:
+    """``<driver>-reg.sock``; with an ``instance``, the first of ``<driver>-<instance>-reg.sock``,
+    ``<driver>-<hash of instance>-reg.sock`` and ``dra-<hash of driver and instance>-reg.sock``
+    whose path in ``registry_dir`` fits a socket address."""
+    if not instance:
+        return f"{driver}-reg.sock"
+    candidates = [f"{driver}-{instance}-reg.sock", f"{driver}-{_hash(instance, 8)}-reg.sock",
+                  f"dra-{_hash(driver + chr(0) + instance, 16)}-reg.sock"]
+    fits = [c for c in candidates if len(os.fsencode(os.path.join(os.path.abspath(registry_dir), c))) <= UNIX_PATH_MAX]
+    return (fits or candidates)[0 if fits else -1]
+
+
+def dra_socket_name(instance: str = "") -> str:
+    return f"dra-{instance}.sock" if instance else DRA_SOCKET
+
+
+def _hash(text: str, size: int) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()[:size]).decode().rstrip("=")
 
 
 def _devices(pb2, rec: PreparedClaim) -> list:
@@ -69,16 +106,41 @@ def _devices(pb2, rec: PreparedClaim) -> list:
 
 
 class DraServicer:
-    """NodePrepareResources and NodeUnprepareResources for one package of the API (``pb2``)."""
+    """NodePrepareResources and NodeUnprepareResources for one package of the API (``pb2``),
+    each under ``serialize`` (the lock shared with other instances, or none)."""
 
     def __init__(self, pb2, preparer: Preparer, pool: futures.Executor,
-                 slots: threading.Semaphore | None = None) -> None:
+                 slots: threading.Semaphore | None = None,
+                 serialize: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.pb2 = pb2
         self.preparer = preparer
         self.pool = pool
         self.slots = slots  # Prepare calls at once: each may wait on the API server for its whole timeout
+        self.serialize = serialize
 
     def NodePrepareResources(self, request, context):
+        with self._serialized(context):
+            return self._prepare(request)
+
+    def NodeUnprepareResources(self, request, context):
+        with self._serialized(context):
+            return self._unprepare(request)
+
+    @contextlib.contextmanager
+    def _serialized(self, context):
+        """The call under the lock; a lock not had in time fails the call UNAVAILABLE (the kubelet retries)."""
+        try:
+            lock = self.serialize()
+            lock.__enter__()
+        except MpsdError as exc:
+            log.error("call not served: %s", exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, one_line(exc))
+        try:
+            yield
+        finally:
+            lock.__exit__(None, None, None)
+
+    def _prepare(self, request):
         response = self.pb2.NodePrepareResourcesResponse()
         refs = _refs(request)
         if self.slots is not None and not self.slots.acquire(blocking=False):
@@ -101,7 +163,7 @@ class DraServicer:
                 response.claims[uid].devices.extend(_devices(self.pb2, outcome))
         return response
 
-    def NodeUnprepareResources(self, request, context):
+    def _unprepare(self, request):
         response = self.pb2.NodeUnprepareResourcesResponse()
         refs = _refs(request)
         for uid, error in self.preparer.unprepare_many(list(refs.values())).items():
@@ -141,18 +203,25 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
 
 class DraPlugin:
     def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0,
-                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0):
+                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0, instance: str = ""):
+        """``instance``: this mpsd's name for its sockets (the pod's UID); "" for the fixed names."""
         driver = preparer.driver
         self.preparer = preparer
+        self.instance = instance
         self.poll_interval = poll_interval
         self.usage, self.usage_interval = usage, usage_interval  # per-claim metrics, every usage_interval
-        self.socket_path = os.path.abspath(os.path.join(plugins_dir, driver, DRA_SOCKET))
-        self.registration_path = os.path.abspath(os.path.join(registry_dir, registration_socket_name(driver)))
+        self.data_dir = os.path.abspath(os.path.join(plugins_dir, driver))
+        self.registry_dir = os.path.abspath(registry_dir)
+        self.socket_path = os.path.join(self.data_dir, dra_socket_name(instance))
+        self.registration_path = os.path.join(self.registry_dir,
+                                              registration_socket_name(driver, instance, registry_dir))
         self.registration = RegistrationServicer(driver, self.socket_path)
         self._pool = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mpsd-dra-claim")
         slots = threading.BoundedSemaphore(PREPARE_SLOTS)  # shared by v1 and v1beta1: one server, one pool
-        v1 = DraServicer(dra_v1_pb2, preparer, self._pool, slots)
-        v1beta1 = DraServicer(dra_v1beta1_pb2, preparer, self._pool, slots)
+        self._serialize = SharedLock(os.path.join(self.data_dir, SERIALIZE_LOCK), wait=SERIALIZE_WAIT)
+        serialize = (lambda: self._serialize) if instance else contextlib.nullcontext
+        v1 = DraServicer(dra_v1_pb2, preparer, self._pool, slots, serialize)
+        v1beta1 = DraServicer(dra_v1beta1_pb2, preparer, self._pool, slots, serialize)
 
         def add_dra(server: grpc.Server) -> None:
             dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
@@ -169,12 +238,19 @@ class DraPlugin:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        """Converge the prepared claims, then serve: the DRA socket before the registration socket
-        (the kubelet calls the endpoint as soon as it has registered it)."""
-        self.preparer.store.load()
-        self.preparer.store.compact()
-        self.preparer.cdi.check()
-        self.preparer.recover()
+        """Converge the prepared claims (under the lock another instance's calls hold), remove
+        sockets of earlier instances nobody serves, then serve: the DRA socket before the
+        registration socket (the kubelet calls the endpoint as soon as it has registered it)."""
+        with self._serialize if self.instance else contextlib.nullcontext():
+            self.preparer.store.load()
+            self.preparer.store.compact()
+            self.preparer.cdi.check()
+            self.preparer.recover()
+        driver = self.preparer.driver
+        remove_stale_sockets(
+            [*glob.glob(os.path.join(glob.escape(self.registry_dir), glob.escape(driver) + "-*reg.sock")),
+             *glob.glob(os.path.join(glob.escape(self.data_dir), "dra*.sock"))],
+            keep=(self.socket_path, self.registration_path))
         self._dra.serve()
         self._reg.serve()
         loops = [("mpsd-dra-watch", self._watch)]
@@ -184,9 +260,9 @@ class DraPlugin:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        log.info("DRA plugin started driver=%s node=%s socket=%s registration=%s prepared=%d",
+        log.info("DRA plugin started driver=%s node=%s socket=%s registration=%s instance=%s prepared=%d",
                  self.preparer.driver, self.preparer.node, self.socket_path, self.registration_path,
-                 len(self.preparer.prepared()))
+                 self.instance or "-", len(self.preparer.prepared()))
 
     def stop(self) -> None:
         """Deregister (the registration socket goes first), stop serving; prepared claims stay."""

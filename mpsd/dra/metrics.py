@@ -3,14 +3,15 @@ percentage) and what its processes use now (mpsd/dra/claimusage.py pushes the ro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..metricbase import Families
 
 CLAIM_LABELS = ("claim", "namespace", "pod", "gpu")
+DRA_GATES = ("DRAConsumableCapacity", "DRADeviceTaints")  # whose fields the API server may drop
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,25 @@ class ClaimMetrics(Families):
             list(CLAIM_LABELS),
             registry=r,
         )
+        self.dra_slice_writes = Counter(
+            "mpsd_dra_slice_writes",
+            "ResourceSlices of the node's DRA pool written (created or replaced); each pool write bumps its generation",
+            registry=r,
+        )
+        self.dra_fields_dropped = Gauge(
+            "mpsd_dra_slice_fields_dropped",
+            "1 while the API server drops fields of mpsd's ResourceSlices: the feature gate named is off there",
+            ["gate"],
+            registry=r,
+        )
+        for gate in DRA_GATES:  # exported from the start, at 0
+            self.dra_fields_dropped.labels(gate).set(0)
+        self.dra_device_tainted = Gauge(
+            "mpsd_dra_device_tainted",
+            "1 for each GPU whose devices carry mpsd's taint in the node's ResourceSlices (reason, effect)",
+            ["gpu", "reason", "effect"],
+            registry=r,
+        )
 
     def set_claims(self, rows: Iterable[ClaimUsage]) -> None:
         """The prepared DRA claims as read now; replaces the last set (an unprepared claim's series go)."""
@@ -59,3 +79,19 @@ class ClaimMetrics(Families):
             self._replace(self.claim_memory, memory)
             self._replace(self.claim_compute, compute)
             self._replace(self.claim_used, used)
+
+    # -- ResourceSlices ------------------------------------------------------------------
+
+    def slices_written(self, count: int) -> None:
+        self.dra_slice_writes.inc(count)
+
+    def set_slice_fields_dropped(self, gates: Iterable[str]) -> None:
+        """The gates whose fields the API server dropped at the last write (1), the others 0."""
+        dropped = set(gates)
+        with self._lock:
+            self._replace(self.dra_fields_dropped, {(g,): 1.0 if g in dropped else 0.0 for g in {*DRA_GATES, *dropped}})
+
+    def set_device_taints(self, taints: Mapping[int, tuple[str, str]]) -> None:
+        """{GPU index: (reason, effect)} of the GPUs tainted now; replaces the last set."""
+        with self._lock:
+            self._replace(self.dra_device_tainted, {(str(g), r, e): 1.0 for g, (r, e) in taints.items()})

@@ -6,10 +6,14 @@ Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's 
             gpu_lister=None)
 
 - the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
-  its pool has the node's name (mpsd/dra/slices.py publishes it so);
-- the node's ResourceSlices are published (mpsd/dra/publisher.py) once the plugin serves, kept
-  current every PUBLISH_INTERVAL, checked again when the kubelet registers the plugin, and
-  removed on shutdown after the registration socket is gone;
+  its pool has the node's name (mpsd/dra/slices.py publishes it so); ``POD_UID`` names this
+  instance's sockets, so that the old and the new pod of a rolling update overlap
+  (mpsd/dra/kubeletplugin.py);
+- the node's ResourceSlices are published (mpsd/dra/publisher.py) once the plugin serves and kept
+  current (mpsd/dra/keeper.py: a watch of the node's slices, the health board's taints, the GPUs
+  listed every PUBLISH_INTERVAL), checked again when the kubelet registers the plugin, and left
+  in place on shutdown: the scheduler must not see the node's GPUs vanish while mpsd restarts
+  (``remove_slices``, ``mpsd dra remove-slices``, deletes them when DRA is turned off);
 - claims are read through ``api.get_resource_claim`` (mpsd/dra/kubeapi.py, from the service
   account or KUBECONFIG; each call bounded by API_TIMEOUT);
 - regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu are the device plugin's settings,
@@ -33,14 +37,17 @@ from typing import Callable, Mapping, Sequence
 from ..errors import MpsdError
 from ..health import HealthBoard
 from ..plugin.response import SHIM_NAME, HostPaths
+from ..plugin.served import instance_id
 from ..plugin.state import StateStore, install_file
 from ..plugin.usage import shim_usage
 from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
+from .keeper import SliceKeeper
 from .kubeletplugin import DraPlugin
 from .prepared import PREPARED, PreparedClaim, Preparer
 from .publisher import SlicePublisher
 from .slices import GpuLike  # what Prepare needs and what the slices publish: name, capability, MIG
+from .taints import Tainter
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +80,7 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
-          metrics=None, shim_library: str | None = None, backend=None) -> DraPlugin:
+          metrics=None, shim_library: str | None = None, backend=None, instance: str | None = None) -> DraPlugin:
     """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
     series every 10 s (regions read through ``shim_library``)."""
     dp, dra = config.device_plugin, config.dra
@@ -87,7 +94,8 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
     usage = None
     if metrics is not None:
         usage = ClaimUsageReader(preparer.prepared, functools.partial(shim_usage, library=shim_library), metrics)
-    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage)
+    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage,
+                     instance=instance_id() if instance is None else instance)
 
 
 def run_dra(
@@ -103,35 +111,48 @@ def run_dra(
     api=None,
     gpu_lister: Callable[[], Sequence[GpuLike]] | None = None,
     backend=None,
+    instance: str | None = None,
 ) -> None:
     """Serve the DRA plugin until ``stop`` is set (see the module docstring); ``backend``: the
-    node's sharing backend (mpsd/sharing), MPS v2's when None."""
+    node's sharing backend (mpsd/sharing), MPS v2's when None; ``instance`` names its sockets
+    (default: ``POD_UID``)."""
     state_dir = state_dir or config.state_dir
     own_api = api is None
+    watcher = None
     if own_api:
         from .kubeapi import KubeAPI
 
         api = KubeAPI.from_environment(timeout=API_TIMEOUT)
+        watcher = KubeAPI.from_environment(timeout=API_TIMEOUT)  # its own connection: closing it ends the watch
     node = node_name()
+    dra = config.dra
     try:
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
-                       node=node, metrics=metrics, shim_library=shim_library, backend=backend)
+                       node=node, metrics=metrics, shim_library=shim_library, backend=backend, instance=instance)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
-        publisher = SlicePublisher(api, config.dra.driver_name, node, config.dra.mode,
-                                   config.device_plugin.slices_per_gpu, node_uid=_node_uid(api, node))
-        plugin.registration.on_registered = publisher.invalidate  # the kubelet wipes slices at its start
+        publisher = SlicePublisher(api, dra.driver_name, node, dra.mode, config.device_plugin.slices_per_gpu,
+                                   node_uid=_node_uid(api, node), metrics=metrics)
+        watch = getattr(watcher or api, "watch_resource_slices", None)
+        keeper = SliceKeeper(
+            publisher, gpus, board=board, tainter=Tainter(dra.driver_name, dra.taint_effect, dra.taint_after),
+            gpu_lister=gpu_lister, on_gpus=functools.partial(setattr, plugin.preparer, "gpus"),
+            watch=functools.partial(watch, dra.driver_name, node) if watch else None, interval=PUBLISH_INTERVAL,
+            metrics=metrics,
+        )
+        def registered() -> None:  # the kubelet deletes the node's slices when it starts: check at once
+            publisher.invalidate()
+            keeper.wake.set()
+
+        plugin.registration.on_registered = registered
         try:
             plugin.start()
-            publish_until(stop, publisher, gpus, gpu_lister, plugin.preparer)
+            keeper.run(stop)
         finally:
-            plugin.stop()  # deregistered first: no new Prepare while the slices go
-            try:
-                publisher.remove()
-            except MpsdError as exc:
-                log.error("resourceslices not removed on shutdown (the kubelet removes them 30 s after the "
-                          "plugin is gone) error=%s", exc)
+            plugin.stop()  # the slices stay: the node's GPUs must not vanish while mpsd restarts
     finally:
+        if watcher is not None:
+            watcher.close()
         if own_api:
             api.close()
 
@@ -145,29 +166,18 @@ def _node_uid(api, node: str) -> str | None:
         return None
 
 
-def publish_until(stop: threading.Event, publisher: SlicePublisher, gpus: Sequence[GpuLike],
-                  gpu_lister: Callable[[], Sequence[GpuLike]] | None = None, preparer: Preparer | None = None,
-                  interval: float = PUBLISH_INTERVAL) -> None:
-    """Keep the node's ResourceSlices equal to the GPUs until ``stop``: at once, then every
-    ``interval`` (publish makes no API call while nothing changed, and checks the server at its
-    resync interval or after a registration); an API failure is logged once and retried. With
-    ``gpu_lister`` (NVML through mpsd's inventory) the GPUs are listed again each round: a GPU
-    that appears, goes or changes is published, and Prepare checks claims against the new list
-    (an empty listing, NVML failing for a moment, keeps the last one)."""
-    last = ""
-    while True:
-        listed = list(gpu_lister()) if gpu_lister is not None else []
-        if listed and listed != list(gpus):
-            log.info("GPUs changed, publishing them gpus=%s", ",".join(str(g.index) for g in listed))
-            gpus = listed
-            if preparer is not None:
-                preparer.gpus = listed
-        try:
-            publisher.publish(gpus)
-            last = ""
-        except (MpsdError, ValueError) as exc:
-            if str(exc) != last:
-                log.error("resourceslices not published (retrying every %.0fs): %s", interval, exc)
-            last = str(exc)
-        if stop.wait(interval):
-            return
+def remove_slices(config, node: str | None = None, api=None) -> int:
+    """``mpsd dra remove-slices``: delete this node's ResourceSlices of the driver (DRA turned
+    off, mpsd uninstalled); the number deleted. KubeAPIError when the API server fails."""
+    own_api = api is None
+    if own_api:
+        from .kubeapi import KubeAPI
+
+        api = KubeAPI.from_environment(timeout=API_TIMEOUT)
+    try:
+        publisher = SlicePublisher(api, config.dra.driver_name, node or node_name(), config.dra.mode,
+                                   config.device_plugin.slices_per_gpu)
+        return publisher.remove()
+    finally:
+        if own_api:
+            api.close()

@@ -21,13 +21,21 @@ Slices mode: N devices per GPU, each allocated whole to one claim, with the slic
 and compute as (fixed) capacities, so ``capacity.requests`` and CEL selectors still pick by size.
 
 GPUs with MIG enabled are left out: MPS runs on whole GPUs here. A pool (named after the node)
-is written as ceil(devices/128) ResourceSlices: the API allows at most 128 devices in one.
+is written as one ResourceSlice per GPU (ceil(devices/64) for a GPU of more than 64 slices-mode
+devices: the API allows at most 64 in a slice once a device has taints). One GPU per slice
+because the 1.34 scheduler checks a request's capacity against the device at the request's
+index in the slice, not the device it picked (kubernetes/kubernetes#133705, fixed in 1.35 by
+#133706 and not backported): in a slice of one device that is the right device.
+
+Taints (``taints``: GPU index -> DeviceTaints, spec.devices[].taints, GA in 1.37) go on every
+device of their GPU. ``comparable`` leaves out a taint's ``timeAdded``: the API server sets it
+when a write does not (the field's description in the 1.37 schema).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Protocol
@@ -36,7 +44,7 @@ from . import devices as dv
 from .quantity import parse_quantity  # exact, as the API server reads quantities
 
 API_VERSION = "resource.k8s.io/v1"
-MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_PER_SLICE = 64  # the API's limit for a slice with taints (128 without)
 MIB = 1 << 20
 MIN_MEMORY_MIB = 256
 _VERSION_PARTS = re.compile(r"([0-9]+)(?:\.([0-9]+))?(?:\.([0-9]+))?")
@@ -132,18 +140,23 @@ def slice_devices(gpu: GpuLike, driver_version: str, slices_per_gpu: int) -> lis
     return out
 
 
-def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, driver_version: str = "") -> list[Obj]:
-    """Every device of the node's pool, GPUs in index order; ValueError for a bad mode or count."""
+def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, driver_version: str = "",
+                  taints: Mapping[int, Sequence[Obj]] | None = None) -> list[Obj]:
+    """Every device of the node's pool, GPUs in index order, each with its GPU's ``taints``;
+    ValueError for a bad mode or count."""
     if mode not in dv.MODES:
         raise ValueError(f"bad dra.mode {mode!r}: expected one of {', '.join(dv.MODES)}")
     if not 1 <= slices_per_gpu <= 100:
         raise ValueError(f"bad slicesPerGpu {slices_per_gpu!r}: expected an integer 1..100")
     out: list[Obj] = []
     for gpu in sorted((g for g in gpus if not g.mig_enabled), key=lambda g: g.index):
-        if mode == "capacity":
-            out.append(capacity_device(gpu, driver_version, slices_per_gpu))
-        else:
-            out.extend(slice_devices(gpu, driver_version, slices_per_gpu))
+        mine = [capacity_device(gpu, driver_version, slices_per_gpu)] if mode == "capacity" \
+            else slice_devices(gpu, driver_version, slices_per_gpu)
+        for device in mine:
+            mark = (taints or {}).get(gpu.index)
+            if mark:
+                device["taints"] = [dict(t) for t in mark]
+        out.extend(mine)
     return out
 
 
@@ -159,10 +172,11 @@ def node_owner(node: str, uid: str) -> list[Obj]:
 
 
 def build_slices(devices: list[Obj], driver: str, node: str, generation: int, node_uid: str | None = None) -> list[Obj]:
-    """The pool's ResourceSlices: ceil(len/128) of them (one, empty, for no devices), all with
-    ``generation`` and the count, no names (``generateName``; the publisher reuses names),
-    owned by the Node when its ``node_uid`` is known."""
-    chunks = [devices[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)] or [[]]
+    """The pool's ResourceSlices: one per GPU, at most 64 devices each (one, empty, for no
+    devices), all with ``generation`` and the count, no names (``generateName``; the publisher
+    reuses names), owned by the Node when its ``node_uid`` is known."""
+    chunks = [group[i:i + MAX_DEVICES_PER_SLICE] for group in _by_gpu(devices)
+              for i in range(0, len(group), MAX_DEVICES_PER_SLICE)] or [[]]
     metadata: Obj = {"generateName": slice_name_prefix(node, driver)}
     if node_uid:
         metadata["ownerReferences"] = node_owner(node, node_uid)
@@ -179,10 +193,32 @@ def build_slices(devices: list[Obj], driver: str, node: str, generation: int, no
     } for chunk in chunks]
 
 
+def _by_gpu(devices: list[Obj]) -> list[list[Obj]]:
+    """Consecutive devices of one GPU (the ``index`` attribute) as one group each."""
+    groups: list[list[Obj]] = []
+    last: object = object()
+    for device in devices:
+        index = ((device.get("attributes") or {}).get(dv.ATTR_INDEX) or {}).get("int")
+        if not groups or index != last:
+            groups.append([])
+        groups[-1].append(device)
+        last = index
+    return groups
+
+
 def comparable(devices: list[Obj]) -> list[Obj]:
     """``devices`` with every quantity as its exact number, so what the API server stored
-    ("16Gi", "17179869184") compares equal to what we would write."""
-    return [{**d, "capacity": {k: _numbers(v) for k, v in (d.get("capacity") or {}).items()}} for d in devices]
+    ("16Gi", "17179869184") compares equal to what we would write; taints without the
+    ``timeAdded`` the server adds."""
+    out = []
+    for d in devices:
+        d = {**d, "capacity": {k: _numbers(v) for k, v in (d.get("capacity") or {}).items()}}
+        if d.get("taints"):
+            d["taints"] = [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]
+        else:
+            d.pop("taints", None)
+        out.append(d)
+    return out
 
 
 def _numbers(node: Any) -> Any:
@@ -200,3 +236,51 @@ def _parse_quantity(text: str) -> Fraction | str:
         return parse_quantity(text)
     except ValueError:
         return text
+
+
+# What the API server drops from a device when a feature gate is off (the registry strategy's
+# dropDisabledFields, pkg/registry/resource/resourceslice/strategy.go): field -> gate.
+GATED_FIELDS = {
+    "allowMultipleAllocations": "DRAConsumableCapacity",
+    "capacity.requestPolicy": "DRAConsumableCapacity",
+    "taints": "DRADeviceTaints",
+}
+UNKNOWN_GATE = "unknown"
+
+
+def dropped_fields(sent: list[Obj], stored: list[Obj]) -> dict[str, list[str]]:
+    """Fields of ``sent`` devices that the API server did not store, by the feature gate that
+    governs them ({"DRAConsumableCapacity": ["allowMultipleAllocations", ...]}); any other
+    difference is listed under "unknown". Empty when the server stored what was sent (by
+    value, server-set ``timeAdded`` aside), as the DRA helper's DroppedFieldsError judges it."""
+    by_name = {d.get("name"): d for d in comparable(stored)}
+    out: dict[str, set[str]] = {}
+    for want in comparable(sent):
+        have = by_name.get(want.get("name"))
+        if have is None or have == want:
+            if have is None:
+                out.setdefault(UNKNOWN_GATE, set()).add("devices")
+            continue
+        missing = set()
+        if want.get("allowMultipleAllocations") and not have.get("allowMultipleAllocations"):
+            missing.add("allowMultipleAllocations")
+        if any(c.get("requestPolicy") and not (have.get("capacity") or {}).get(k, {}).get("requestPolicy")
+               for k, c in (want.get("capacity") or {}).items()):
+            missing.add("capacity.requestPolicy")
+        if len(want.get("taints") or []) > len(have.get("taints") or []):
+            missing.add("taints")
+        for field in missing:
+            out.setdefault(GATED_FIELDS[field], set()).add(field)
+        if not missing or _without(want, missing) != _without(have, missing):
+            other = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k) and k not in missing)
+            out.setdefault(UNKNOWN_GATE, set()).update(other or ["devices"])
+    return {gate: sorted(fields) for gate, fields in sorted(out.items())}
+
+
+def _without(device: Obj, fields: set[str]) -> Obj:
+    """``device`` (comparable) less the gated ``fields``: what is left must match."""
+    out = {k: v for k, v in device.items() if k not in fields}
+    if "capacity.requestPolicy" in fields:
+        out["capacity"] = {k: {f: x for f, x in c.items() if f != "requestPolicy"}
+                           for k, c in (device.get("capacity") or {}).items()}
+    return out

@@ -17,6 +17,14 @@ Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
 - ``stop``: blocks until this event is set, then shuts down (ListAndWatch streams end).
 - ``state_dir``: where ``device-plugin-state.json`` lives (default: config.state_dir for a
   whole Config, else the parent of region_dir).
+- ``instance``: this mpsd's name for its socket (default ``POD_UID``, mpsd/plugin/served.py):
+  ``mpsd-<resource>-<uid>.sock``, so the old and the new pod of a rolling update (maxSurge)
+  serve side by side. The new one registers at once and the kubelet moves Allocate to it; when
+  the old one stops, the kubelet's device manager marks the resource's devices unhealthy
+  (manager.go PluginDisconnected, for whichever endpoint is current) and, before 1.33,
+  disconnects the current client: each instance therefore registers again as soon as the
+  socket of another instance of the same resource goes away, which brings a fresh ListAndWatch
+  and healthy devices back.
 
 Raises PluginError when it cannot start (shim missing, socket directory unusable). Tests
 construct ``DevicePlugin`` directly with explicit paths.
@@ -40,7 +48,7 @@ from ..health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
 from .response import SHIM_NAME, HostPaths
-from .served import ServedSocket
+from .served import ServedSocket, instance_id, remove_stale_sockets
 from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
 from ..sharing import Backend, SliceRequest
 from ..sharing.burst import burst_limits
@@ -56,9 +64,23 @@ STATE_FILE = "device-plugin-state.json"
 __all__ = ["DevicePlugin", "run_plugin", "socket_name_for"]
 
 
-def socket_name_for(resource_name: str) -> str:
-    """Our socket's file name in kubeletDir: ``mpsd.io/gpu`` -> ``mpsd-mpsd.io_gpu.sock``."""
-    return "mpsd-" + resource_name.replace("/", "_") + ".sock"
+def socket_name_for(resource_name: str, instance: str = "") -> str:
+    """Our socket's file name in kubeletDir: ``mpsd.io/gpu`` -> ``mpsd-mpsd.io_gpu.sock``, with an
+    ``instance`` ``mpsd-mpsd.io_gpu-<instance>.sock``."""
+    base = "mpsd-" + resource_name.replace("/", "_")
+    return f"{base}-{instance}.sock" if instance else base + ".sock"
+
+
+def _peer_sockets(kubelet_dir: str, resource_name: str, own: str) -> set[tuple[str, tuple[int, int] | None]]:
+    """(path, identity) of the sockets of other mpsd instances of ``resource_name`` in kubeletDir."""
+    base = "mpsd-" + resource_name.replace("/", "_")
+    try:
+        names = os.listdir(kubelet_dir)
+    except OSError:
+        return set()
+    paths = [os.path.join(kubelet_dir, n) for n in names
+             if n != own and n.endswith(".sock") and (n == base + ".sock" or n.startswith(base + "-"))]
+    return {(p, socket_identity(p)) for p in paths}
 
 
 class DevicePlugin:
@@ -77,6 +99,7 @@ class DevicePlugin:
         metrics: UsageMetrics | None = None,
         usage_reader: UsageReader = shim_usage,
         socket_name: str | None = None,
+        instance: str = "",
         poll_interval: float = 0.5,
         usage_interval: float = 10.0,
         gc_grace: float = 60.0,
@@ -94,7 +117,7 @@ class DevicePlugin:
         self.paths = paths
         self.board = board
         self.shim_library = shim_library
-        self.socket_name = socket_name or socket_name_for(resource_name)
+        self.socket_name = socket_name or socket_name_for(resource_name, instance)
         self.socket_path = os.path.join(kubelet_dir, self.socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, KUBELET_SOCKET)
         self.poll_interval = poll_interval
@@ -135,6 +158,7 @@ class DevicePlugin:
             thread_prefix="mpsd-plugin-rpc",
         )
         self._registered_with: tuple[int, int] | None = None
+        self._peers: set[tuple[str, tuple[int, int] | None]] = set()  # other instances' sockets seen last round
         self._last_register_error = ""
         self._threads: list[threading.Thread] = []
         self.registrations = 0  # successful Register calls, for tests and logs
@@ -162,6 +186,8 @@ class DevicePlugin:
         for allocation in self.store.all():
             restore_region_dir(allocation, self.paths.region_dir)
         self.backend.adopt(self._requests())  # e.g. MPS v3: the namespaces of the journaled allocations
+        remove_stale_sockets([p for p, _ in _peer_sockets(self.kubelet_dir, self.resource_name, self.socket_name)])
+        self._peers = _peer_sockets(self.kubelet_dir, self.resource_name, self.socket_name)
         self._socket.serve()
         self.check()
         loops = [("mpsd-plugin-watch", self._watch_loop)]
@@ -195,9 +221,16 @@ class DevicePlugin:
     # -- one round of the watchdog (tests call it directly) -------------------------------
 
     def check(self) -> None:
-        """Re-create our socket if it was deleted; (re-)register when the kubelet's socket is new."""
+        """Re-create our socket if it was deleted; (re-)register when the kubelet's socket is new,
+        or when another instance's socket went away (see the module docstring)."""
         if self._socket.check():
             self._registered_with = None
+        peers = _peer_sockets(self.kubelet_dir, self.resource_name, self.socket_name)
+        if self._peers - peers and self._registered_with is not None:
+            log.info("another instance's socket went away, registering again resource=%s socket=%s",
+                     self.resource_name, ",".join(sorted(p for p, _ in self._peers - peers)))
+            self._registered_with = None
+        self._peers = peers
         kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
             if self._registered_with is not None:
@@ -309,6 +342,7 @@ def run_plugin(
         usage_reader=functools.partial(shim_usage, library=shim_library),
         backend=backend,
         memory_hard=burst_limits(getattr(dp, "memory_limit", ""), gpus),
+        instance=instance_id(),
     )
     if getattr(dp, "memory_limit", "") and plugin.backend.burst_problem():
         raise PluginError(f"devicePlugin.memoryLimit {dp.memory_limit} cannot be enforced on this node: "

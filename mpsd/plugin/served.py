@@ -1,13 +1,24 @@
 """One gRPC server on one unix socket that the kubelet dials, served again when the socket is
 deleted or replaced (the kubelet's directories may be wiped while mpsd runs). The device
-plugin's socket and the DRA driver's two sockets are each one of these."""
+plugin's socket and the DRA driver's two sockets are each one of these.
+
+Rolling updates: the old and the new mpsd pod of a DaemonSet with ``maxSurge`` serve side by
+side, each on sockets of its own name (``instance_id``: the pod's UID, from ``POD_UID``), so
+that neither removes or replaces the other's. A socket of an earlier instance that nobody
+serves any more (its pod was killed) is removed at start (``remove_stale_sockets``), as the
+kubelet's plugin watcher README asks of a new instance; a live one is left alone.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
+import socket
+import stat
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 import grpc
 
@@ -15,6 +26,59 @@ from ..errors import MpsdError, PluginError
 from .kubelet import socket_identity
 
 log = logging.getLogger(__name__)
+
+INSTANCE_ENV = "POD_UID"  # the DaemonSet sets it from the downward API (metadata.uid)
+UNIX_PATH_MAX = 107  # bytes of a socket path: sun_path is 108 with its terminating NUL
+_INSTANCE = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,62}")
+
+
+def instance_id(environ: Mapping[str, str] = os.environ) -> str:
+    """This mpsd instance's name for its sockets: ``POD_UID``, "" when it is not set (one
+    instance at a time: the fixed socket names). Error for a value that cannot be a file name part."""
+    value = environ.get(INSTANCE_ENV, "")
+    if value and _INSTANCE.fullmatch(value) is None:
+        raise PluginError(f"bad {INSTANCE_ENV} {value[:80]!r}: expected a pod UID (letters, digits and '-', "
+                          "at most 63), as the downward API's metadata.uid gives it")
+    return value
+
+
+def remove_stale_sockets(paths: Iterable[str], keep: Iterable[str] = (), timeout: float = 1.0) -> list[str]:
+    """Unlink each of ``paths`` that is a unix socket nobody accepts on (connection refused):
+    left by an instance that was killed. Sockets that answer, other files, symlinks and
+    ``keep`` stay. Returns the paths removed."""
+    removed = []
+    kept = {os.path.abspath(k) for k in keep}
+    for path in paths:
+        if os.path.abspath(path) in kept:
+            continue
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+        except OSError:
+            continue
+        if _answers(path, timeout):
+            log.info("another instance serves socket=%s (left alone)", path)
+            continue
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            log.warning("stale socket not removed path=%s error=%s", path, exc.strerror or exc)
+            continue
+        log.info("stale socket of an earlier instance removed path=%s", path)
+        removed.append(path)
+    return removed
+
+
+def _answers(path: str, timeout: float) -> bool:
+    """Whether something accepts connections on the unix socket ``path``; only a refusal (or
+    a missing socket) says no: anything else (a full backlog, a permission) counts as alive."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    return True
 
 
 class ServedSocket:

@@ -3,6 +3,13 @@
 A snapshot (one JSON file, replaced atomically: a temporary file in the same directory,
 fsync, rename, fsync the directory) plus an append-only journal of the changes since
 (one JSON line per change, fdatasync'd before the change returns). See ``StateStore``.
+
+Two mpsd processes may share one state file for a while: during a rolling update the old and
+the new instance of the DaemonSet's pod serve the kubelet side by side (docs/operations.md).
+The store's lock is therefore also a file lock (``<path>.lock``, flock) across processes, and
+whoever takes it first reads again what another process wrote since (the snapshot or the
+journal changed under it), so a change is never made to, nor a snapshot written from, a stale
+copy. The wait for it is bounded (LOCK_WAIT seconds): a PluginError names the lock file.
 """
 
 from __future__ import annotations
@@ -12,17 +19,18 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Generic, Iterable, Protocol, TypeVar, overload
 
 from ..errors import PluginError
+from .sharedlock import SharedLock
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 JOURNAL_SUFFIX = ".journal"
+LOCK_SUFFIX = ".lock"
 
 
 @dataclass(frozen=True)
@@ -110,13 +118,14 @@ class StateStore(Generic[R]):
         self.record: type[R] = record
         self.journal_path = path + JOURNAL_SUFFIX
         self.compact_every = compact_every  # journal lines that make a write compact at once
-        self.lock = threading.RLock()
+        self.lock = SharedLock(path + LOCK_SUFFIX, self._refresh)
         self._allocations: dict[str, R] = {}
         self._journal_fd: int | None = None
         self._journal_size = 0
         self.journal_lines = 0
+        self._seen: tuple | None = None  # the files as this store last read or wrote them (None: not loaded)
 
-    def load(self) -> dict[str, R]:
+    def load(self, quiet: bool = False) -> dict[str, R]:
         """Read the snapshot and replay the journal. A damaged snapshot is moved aside and
         reported, not fatal; a damaged journal line ends the replay, the journal is moved aside."""
         with self.lock:
@@ -137,10 +146,31 @@ class StateStore(Generic[R]):
                 allocations = []
             self._allocations = {a.allocation_id: a for a in allocations}
             replayed = self._replay()
-            log.info(
-                "state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed
+            self.journal_lines = replayed
+            self._seen = self._files()
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "state loaded path=%s allocations=%d journal_lines=%d", self.path, len(self._allocations), replayed,
             )
             return dict(self._allocations)
+
+    def _files(self) -> tuple:
+        """(inode, size, mtime) of the snapshot and the journal: another process's write changes them."""
+        out: list[tuple[int, int, int] | None] = []
+        for path in (self.path, self.journal_path):
+            try:
+                st = os.lstat(path)
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _refresh(self) -> None:
+        """Read the files again if another process changed them since this store last did
+        (called with the lock just taken). Before the first load there is nothing to refresh."""
+        if self._seen is not None and self._files() != self._seen:
+            log.info("state changed by another process, read again path=%s", self.path)
+            self.load(quiet=True)
 
     def _replay(self) -> int:
         try:
@@ -232,6 +262,7 @@ class StateStore(Generic[R]):
                 raise PluginError(f"cannot empty {self.journal_path}: {exc.strerror or exc}") from exc
             self._journal_size = 0
             self.journal_lines = 0
+            self._seen = self._files()
 
     def close(self) -> None:
         with self.lock:
@@ -256,6 +287,8 @@ class StateStore(Generic[R]):
             raise PluginError(f"cannot write {self.journal_path}: {exc.strerror or exc}") from exc
         self._journal_size += len(line)
         self.journal_lines += 1
+        if self._seen is not None:
+            self._seen = self._files()
 
     def _journal(self) -> int:
         """The journal's descriptor, opened once; a line a crash cut short is cut off first, so

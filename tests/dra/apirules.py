@@ -1,10 +1,12 @@
 """The API server's own rules for a ResourceSlice (resource.k8s.io/v1) that the JSON schema
 cannot say, as the API reference states them (the field descriptions kubernetes-validate
-carries): the stand-in API server refuses a slice that breaks one, as the real one would."""
+carries): the stand-in API server refuses a slice that breaks one, as the real one would; and
+what the registry does to a slice before it stores it (gated fields dropped, taint times set)."""
 
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -114,3 +116,30 @@ def _quantity(text: Any) -> Decimal | None:
         return parse_quantity(text) if isinstance(text, str) else None
     except ValueError:
         return None
+
+
+def drop_disabled_fields(new: dict[str, Any], old: dict[str, Any] | None, gates_off: set[str]) -> None:
+    """What the registry strategy's dropDisabledFields does to a written ResourceSlice for the gates
+    that are off (pkg/registry/resource/resourceslice/strategy.go): a gate's fields go from every
+    device, unless the stored slice ``old`` (on update) uses them already."""
+    devices = (new.get("spec") or {}).get("devices") or []
+    old_devices = ((old or {}).get("spec") or {}).get("devices") or []
+    if "DRADeviceTaints" in gates_off and not any(d.get("taints") for d in old_devices):
+        for device in devices:
+            device.pop("taints", None)
+    in_use = any("allowMultipleAllocations" in d or any("requestPolicy" in c for c in (d.get("capacity") or {}).values())
+                 for d in old_devices)
+    if "DRAConsumableCapacity" in gates_off and not in_use:
+        for device in devices:
+            device.pop("allowMultipleAllocations", None)
+            for capacity in (device.get("capacity") or {}).values():
+                capacity.pop("requestPolicy", None)
+
+
+def default_taint_times(obj: dict[str, Any]) -> None:
+    """A taint written without ``timeAdded`` gets the time of the write (the field's description in
+    the 1.37 schema: "Added automatically during create or update if not set")."""
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        for taint in device.get("taints") or []:
+            taint.setdefault("timeAdded", now)

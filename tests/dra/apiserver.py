@@ -9,6 +9,15 @@ process, as small as the driver needs, speaking the API's paths, status objects 
   does not know fails), at the newest Kubernetes version it knows, plus the API server's own
   rules the schema cannot say (device count, unique names, request policies ...). A failure
   is answered 422 Invalid *and* kept in ``invalid``: the ``apiserver`` fixture fails the test.
+- Watches of ResourceSlices (``?watch=true``, chunked JSON lines as the real server streams
+  them): ADDED for every matching slice first when no ``resourceVersion`` is given, else the
+  events after it; then each change as it happens, until ``timeoutSeconds`` or ``stop()``.
+- Feature gates: ``gates_off`` (e.g. {"DRAConsumableCapacity", "DRADeviceTaints"}) drops the
+  fields those gates govern from every ResourceSlice written, unless the stored slice being
+  updated uses them already: what the real registry strategy does (dropDisabledFields in
+  pkg/registry/resource/resourceslice/strategy.go). A taint written without ``timeAdded`` gets
+  the time of the write ("Added automatically during create or update if not set": the field's
+  description in the 1.37 schema).
 - Faults: ``delay`` (seconds before each answer), ``refuse`` (close the connection without
   an answer), ``stop()``/``start()`` (nothing listens on the port), ``fail`` (answer the next
   requests of a method with these status codes; None serves one normally).
@@ -19,7 +28,8 @@ process, as small as the driver needs, speaking the API's paths, status objects 
   a time, forever), ``hang-after-headers`` (a Content-Length, half the body, then nothing),
   ``huge`` (a valid object of ``fault_bytes`` bytes, as fast as the client reads),
   ``huge-chunked`` (the same without a length), ``gzip`` (the same gzip-encoded: a few hundred
-  KiB on the wire); ``fault_sent`` counts the bytes handed to the socket.
+  KiB on the wire); ``fault_sent`` counts the bytes handed to the socket. ``hits`` (and
+  ``arrived``, the same count) counts every request that reached the server, refused ones included.
 - Bearer token required; ``tls=True`` serves HTTPS with a fresh self-signed certificate
   (openssl) whose CA file a KUBECONFIG can name.
 """
@@ -31,6 +41,7 @@ import re
 import ssl
 import subprocess
 import threading
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -44,7 +55,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.dra.apirules import resource_slice_errors
+from tests.dra.apirules import default_taint_times, drop_disabled_fields, resource_slice_errors
 
 BASE = "/apis/resource.k8s.io/v1"
 TOKEN = "mpsd-test-token"
@@ -109,6 +120,10 @@ class StandInAPIServer:
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
         self.arrived = 0  # requests received, counted before any delay or fault
         self.invalid: list[str] = []
+        self.gates_off: set[str] = set()
+        self.events: list[tuple[int, str, Obj]] = []  # (resourceVersion, type, slice) of every change
+        self.hits = 0
+        self.stall_watches = False  # a watch answers its headers, then nothing, ever (a half-open connection)
         self.delay = 0.0
         self.refuse = False
         self.fail: dict[str, list[int | None]] = {}  # method -> status codes of its next requests (None: serve)
@@ -118,6 +133,7 @@ class StandInAPIServer:
         self.fault_bytes = 64 << 20
         self.fault_sent = 0
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
         self._version = 0
         self._stopping = threading.Event()
         self._port = 0
@@ -190,6 +206,8 @@ class StandInAPIServer:
         return 404, status(404, "NotFound", f"the server could not find the requested resource {parts.path}")
 
     def _slices(self, method: str, name: str | None, query: dict[str, list[str]], body: Obj | None) -> tuple[int, Obj]:
+        if name is None and method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
+            return 400, status(400, "BadRequest", "a watch is streamed: StandInAPIServer.watch")
         if name is None and method == "GET":
             try:
                 fields = _selector(query.get("fieldSelector", [""])[0], SLICE_FIELDS)
@@ -206,8 +224,12 @@ class StandInAPIServer:
         if name is not None and method == "PUT":
             return self._write(name, body)
         if name is not None and method == "DELETE":
-            if self.slices.pop(name, None) is None:
+            gone = self.slices.pop(name, None)
+            if gone is None:
                 return self._not_found(name)
+            self._version += 1
+            gone["metadata"]["resourceVersion"] = str(self._version)  # a DELETED event carries the delete's version
+            self._event("DELETED", gone)
             return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}
         return 405, status(405, "MethodNotAllowed", f"{method} is not served here")
 
@@ -218,6 +240,8 @@ class StandInAPIServer:
     def _write(self, name: str | None, obj: Obj | None) -> tuple[int, Obj]:
         if not isinstance(obj, dict):
             return 400, status(400, "BadRequest", "body is not a JSON object")
+        drop_disabled_fields(obj, self.slices.get(name) if name else None, self.gates_off)
+        default_taint_times(obj)
         errors = validate(obj)
         if errors:
             self.invalid.extend(errors)
@@ -256,8 +280,43 @@ class StandInAPIServer:
     def _store(self, obj: Obj, code: int) -> tuple[int, Obj]:
         self._version += 1
         obj["metadata"]["resourceVersion"] = str(self._version)
+        created = obj["metadata"]["name"] not in self.slices
         self.slices[obj["metadata"]["name"]] = obj
+        self._event("ADDED" if created else "MODIFIED", obj)
         return code, obj
+
+    def _event(self, kind: str, obj: Obj) -> None:
+        self.events.append((self._version, kind, json.loads(json.dumps(obj))))
+        self.changed.notify_all()
+
+    def watch(self, url: str) -> Iterator[Obj | None]:
+        """The events of a watch request, then None each time nothing happened for a moment
+        (the handler checks that the server still runs); ends at timeoutSeconds."""
+        query = parse_qs(urlsplit(url).query)
+        fields = _selector(query.get("fieldSelector", [""])[0], SLICE_FIELDS)
+        labels = _selector(query.get("labelSelector", [""])[0], None)
+        deadline = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
+        with self.lock:
+            since = query.get("resourceVersion", [""])[0]
+            if since in ("", "0"):
+                first = [{"type": "ADDED", "object": json.loads(json.dumps(s))} for s in self.slices.values()
+                         if _matches(s, fields, labels)]
+                seen = self._version
+            else:
+                first, seen = [], int(since)
+        yield from first
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            with self.changed:
+                self.changed.wait_for(lambda since=seen: self.events and self.events[-1][0] > since
+                                      or self._stopping.is_set(),
+                                      timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+                new = [(v, k, o) for v, k, o in self.events if v > seen]
+            for version, kind, obj in new:
+                seen = version
+                if _matches(obj, fields, labels):
+                    yield {"type": kind, "object": obj}
+            if not new:
+                yield None
 
     def wait_delay(self) -> None:
         if self.delay:
@@ -276,6 +335,7 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
             raw = self.rfile.read(length) if length else b""
             with server.lock:
                 server.arrived += 1
+                server.hits += 1
             server.wait_delay()
             if server.refuse or server._stopping.is_set():  # stopped: a kept-alive connection is dropped too
                 self.close_connection = True
@@ -288,6 +348,12 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
                     _misbehave(server, self)
                 except OSError:  # the client went away
                     pass
+                return
+            query = parse_qs(urlsplit(self.path).query)
+            if self.command == "GET" and query.get("watch", [""])[0] in ("true", "1") and \
+                    self.headers.get("Authorization") == f"Bearer {server.token}" and \
+                    _SLICES.fullmatch(urlsplit(self.path).path) and not server.fail.get("GET"):
+                self._stream()
                 return
             if self.headers.get("Authorization") != f"Bearer {server.token}":
                 code, body = 401, status(401, "Unauthorized", "Unauthorized")
@@ -307,6 +373,42 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _stream(self) -> None:
+            """A watch, as the real server streams it: chunked, one JSON event per line."""
+            with server.lock:
+                server.requests.append(("WATCH", self.path))
+            try:
+                events = server.watch(self.path)
+            except ValueError as e:
+                data = json.dumps(status(400, "BadRequest", str(e))).encode()
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            if server.stall_watches:
+                self.wfile.flush()
+                server._stopping.wait()
+                self.close_connection = True
+                return
+            try:
+                for event in events:
+                    if server._stopping.is_set():  # the server went away: the connection breaks
+                        self.close_connection = True
+                        return
+                    if event is not None:
+                        line = json.dumps(event).encode() + b"\n"
+                        self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                        self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
 

@@ -320,3 +320,17 @@ def test_a_malformed_node_or_claim_is_one_line(apiserver: StandInAPIServer, kube
             assert "get ResourceClaim team-a/llm-gpu" in str(e) and "\n" not in str(e)
         else:
             assert isinstance(got, dict)  # claims.plan_claim checks every field it reads
+def test_a_watch_that_stalls_ends_within_its_bound(apiserver, kubeconfig):
+    """lightkube leaves a watch's reads unbounded: a connection that stays open and silent (half
+    open) would hold the watch for ever. It ends after server_timeout + the client's timeout."""
+    import time
+
+    from mpsd.dra.kubeapi import KubeAPI
+    from mpsd.errors import KubeAPIError
+
+    apiserver.stall_watches = True
+    with KubeAPI.from_environment(timeout=1) as api:
+        t0 = time.monotonic()
+        with pytest.raises(KubeAPIError, match="^watch ResourceSlices of driver gpu.mpsd.io on node node-a: no answer"):
+            next(api.watch_resource_slices("gpu.mpsd.io", "node-a", server_timeout=1))
+        assert time.monotonic() - t0 < 10

@@ -198,3 +198,43 @@ def test_prepares_waiting_on_a_hanging_api_server_leave_unprepare_answering(env,
         entry = next(iter(c.result(timeout=60).claims.values()))
         assert entry.error and "\n" not in entry.error and not entry.devices
     api.close()
+UID = "0b5d9a62-1f2e-4c3d-8e9f-0a1b2c3d4e5f"
+
+
+@pytest.mark.parametrize("registry_dir, name", [
+    ("/var/lib/kubelet/plugins_registry", "gpu.mpsd.io-reg.sock"),  # no instance: one at a time
+])
+def test_the_fixed_registration_name(registry_dir, name):
+    from mpsd.dra.kubeletplugin import registration_socket_name
+
+    assert registration_socket_name(DRIVER, "", registry_dir) == name
+
+
+def test_an_instances_socket_names_fit_a_socket_address():
+    """<driver>-<uid>-reg.sock where it fits; a hash of the uid, then of driver and uid, where
+    the registry's path is long (as the DRA helper's RollingUpdateRegistrarSocketFile chooses)."""
+    from mpsd.dra.kubeletplugin import dra_socket_name, registration_socket_name
+
+    assert registration_socket_name(DRIVER, UID, "/var/lib/kubelet/plugins_registry") == f"{DRIVER}-{UID}-reg.sock"
+    mid = "/" + "d" * 50
+    short = registration_socket_name(DRIVER, UID, mid)
+    assert short.startswith(f"{DRIVER}-") and UID not in short and len(short) == len(DRIVER) + 1 + 11 + 9
+    long_driver = "gpu." + "x" * 50 + ".example.com"  # its own name leaves no room for even a hash
+    deep = "/" + "d" * 60
+    hashed = registration_socket_name(long_driver, UID, deep)
+    assert hashed.startswith("dra-") and hashed.endswith("-reg.sock") and len(deep) + 1 + len(hashed) <= 107
+    assert registration_socket_name(long_driver, "other-pod", deep) != hashed
+    assert dra_socket_name(UID) == f"dra-{UID}.sock" and dra_socket_name("") == "dra.sock"
+
+
+@pytest.mark.parametrize("value, ok", [(UID, True), ("", True), ("../etc", False), ("a" * 64, False),
+                                       ("pod uid", False)])
+def test_pod_uid_must_be_a_file_name_part(value, ok):
+    from mpsd.errors import PluginError
+    from mpsd.plugin.served import instance_id
+
+    if ok:
+        assert instance_id({"POD_UID": value}) == value
+    else:
+        with pytest.raises(PluginError, match="^bad POD_UID .*expected a pod UID"):
+            instance_id({"POD_UID": value})

@@ -78,12 +78,38 @@ def wait_for(predicate, timeout=20.0):
     return predicate()
 
 
-def test_slices_are_published_while_it_runs_and_removed_on_shutdown(apiserver, running):
+def test_slices_are_published_while_it_runs_and_stay_on_shutdown(apiserver, running):
+    """A restart or an upgrade of mpsd must not make the node's GPUs vanish for the scheduler
+    (issue 19): the old run_dra deleted the node's slices on its way out."""
     assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
     (slice_,) = apiserver.pool_slices("gpu.mpsd.io", NODE)
     assert [d["name"] for d in slice_["spec"]["devices"]] == ["gpu-0"]
     running.stop()
+    assert apiserver.pool_slices("gpu.mpsd.io", NODE) == [slice_]
+    assert not [u for m, u in apiserver.writes() if m == "DELETE"]
+
+
+def test_remove_slices_deletes_the_nodes_slices_of_the_driver(apiserver, running, capsys):
+    """What an operator runs (mpsd dra-remove-slices) after turning DRA off or uninstalling."""
+    from mpsd.cli import main
+
+    assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
+    running.stop()
+    assert main(["dra-remove-slices", "--node", NODE]) == 0
+    assert capsys.readouterr().out == "1 ResourceSlice(s) of gpu.mpsd.io deleted\n"
     assert apiserver.pool_slices("gpu.mpsd.io", NODE) == []
+    assert main(["dra-remove-slices", "--node", NODE]) == 0  # nothing left: still fine
+
+
+def test_remove_slices_with_the_api_server_down_is_one_line(apiserver, kubeconfig, capsys):
+    from mpsd.cli import main
+
+    apiserver.stop()
+    assert main(["dra-remove-slices", "--node", NODE]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mpsd: list ResourceSlices of driver gpu.mpsd.io on node node-a: cannot reach")
+    assert err.count("\n") == 1
+    apiserver.start()
 
 
 def test_a_gpu_that_appears_is_published_and_claims_on_it_are_prepared(apiserver, running):

@@ -14,6 +14,7 @@ from mpsd.dra.slices import (
     build_slices,
     capacity_device,
     comparable,
+    dropped_fields,
     quantity,
     semver,
     slice_name_prefix,
@@ -108,14 +109,49 @@ def test_bad_mode_or_count(mode: str, n: int, message: str) -> None:
         build_devices([T4], mode, n)
 
 
-@pytest.mark.parametrize("count, sizes", [(0, [0]), (1, [1]), (128, [128]), (129, [128, 1]), (300, [128, 128, 44])])
-def test_a_pool_is_split_at_128_devices(count: int, sizes: list[int]) -> None:
-    devices = [{"name": f"gpu-{i}"} for i in range(count)]
+def _gpus(count: int) -> list[Gpu]:
+    return [Gpu(i, f"GPU-{i}", "NVIDIA L4", 24 * GIB, 0, (8, 9), False) for i in range(count)]
+
+
+@pytest.mark.parametrize("mode, gpus, n, sizes", [
+    ("capacity", 0, 10, [0]),  # no GPU: one empty slice, so the pool exists and says so
+    ("capacity", 1, 10, [1]),
+    ("capacity", 8, 10, [1] * 8),  # one slice per GPU: 1.34's scheduler checks the slice's first device
+    ("slices", 2, 10, [10, 10]),
+    ("slices", 2, 64, [64, 64]),
+    ("slices", 2, 100, [64, 36, 64, 36]),  # at most 64 devices in a slice (the limit once a device has taints)
+])
+def test_a_pool_has_a_slice_per_gpu(mode: str, gpus: int, n: int, sizes: list[int]) -> None:
+    """kubernetes/kubernetes#133705 (fixed in 1.35 by #133706, not in 1.34): the 1.34 scheduler
+    checks a request's capacity against the device at the request's index in the slice, so with
+    every GPU in one slice only GPU 0's capacity counts. One slice per GPU leaves it one device."""
+    devices = build_devices(_gpus(gpus), mode, n)
     slices = build_slices(devices, "gpu.mpsd.io", "node-a", 7)
     assert [len(s["spec"]["devices"]) for s in slices] == sizes
     assert {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in slices} == \
         {(7, len(sizes))}
     assert [d for s in slices for d in s["spec"]["devices"]] == devices
+    for s in slices:  # no slice holds two GPUs
+        assert len({d["attributes"]["index"]["int"] for d in s["spec"]["devices"]}) <= 1
+
+
+def test_taints_go_on_every_device_of_their_gpu() -> None:
+    taint = {"key": "gpu.mpsd.io/unhealthy", "value": "MPSServerFault", "effect": "NoSchedule",
+             "timeAdded": "2026-05-01T10:00:00Z"}
+    devices = build_devices(_gpus(2), "slices", 3, taints={1: [taint]})
+    assert [d.get("taints") for d in devices] == [None] * 3 + [[taint]] * 3
+    capacity = build_devices(_gpus(2), "capacity", 3, taints={0: [taint]})
+    assert [d.get("taints") for d in capacity] == [[taint], None]
+
+
+def test_comparable_leaves_out_the_time_a_taint_was_added() -> None:
+    """The API server adds timeAdded when it is not set (the field's description in the 1.37
+    schema): a stored taint compares equal to the same taint without it."""
+    taint = {"key": "gpu.mpsd.io/unhealthy", "value": "MPSDaemonDown", "effect": "NoSchedule"}
+    ours = build_devices(_gpus(1), "capacity", 3, taints={0: [taint]})
+    stored = build_devices(_gpus(1), "capacity", 3, taints={0: [{**taint, "timeAdded": "2026-05-01T10:00:00Z"}]})
+    assert comparable(ours) == comparable(stored)
+    assert comparable(ours) != comparable(build_devices(_gpus(1), "capacity", 3))
 
 
 def test_slice_names_leave_room_for_the_servers_suffix() -> None:
@@ -143,6 +179,35 @@ gpus = st.lists(st.builds(
 @given(gpus=gpus, mode=st.sampled_from(["capacity", "slices"]), n=st.integers(1, 100),
        driver=st.sampled_from(["580.95.05", "550.54", "garbage", ""]))
 def test_every_pool_passes_the_schema_and_the_api_rules(gpus: list[Gpu], mode: str, n: int, driver: str) -> None:
-    for obj in build_slices(build_devices(gpus, mode, n, driver), "gpu.mpsd.io", "node-a", 1):
+    taint = {"key": "gpu.mpsd.io/unhealthy", "value": "MPSDaemonDown", "effect": "NoExecute",
+             "timeAdded": "2026-05-01T10:00:00Z"}
+    taints = {g.index: [taint] for g in gpus[::2]}  # some GPUs tainted: at most 64 devices in their slices
+    for obj in build_slices(build_devices(gpus, mode, n, driver, taints=taints), "gpu.mpsd.io", "node-a", 1):
         kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
         assert resource_slice_errors(obj) == []
+
+
+TAINT = {"key": "gpu.mpsd.io/unhealthy", "value": "MPSDaemonDown", "effect": "NoSchedule"}
+
+
+def _strip(device: dict, *fields: str) -> dict:
+    out = {k: v for k, v in device.items() if k not in fields}
+    if "requestPolicy" in fields:
+        out["capacity"] = {k: {f: x for f, x in c.items() if f != "requestPolicy"} for k, c in device["capacity"].items()}
+    return out
+
+
+@pytest.mark.parametrize("stored, dropped", [
+    (lambda d: d, {}),
+    (lambda d: {**d, "taints": [{**TAINT, "timeAdded": "2026-05-01T10:00:00Z"}]}, {}),  # the server's time
+    (lambda d: _strip(d, "allowMultipleAllocations", "requestPolicy"),
+     {"DRAConsumableCapacity": ["allowMultipleAllocations", "capacity.requestPolicy"]}),
+    (lambda d: _strip(d, "taints"), {"DRADeviceTaints": ["taints"]}),
+    (lambda d: _strip(d, "taints", "allowMultipleAllocations", "requestPolicy"),
+     {"DRAConsumableCapacity": ["allowMultipleAllocations", "capacity.requestPolicy"], "DRADeviceTaints": ["taints"]}),
+    (lambda d: {**d, "attributes": {}}, {"unknown": ["attributes"]}),
+    (lambda d: {**d, "name": "gpu-9"}, {"unknown": ["devices"]}),
+])
+def test_dropped_fields_name_the_gate(stored, dropped: dict) -> None:
+    (sent,) = build_devices([H100], "capacity", 4, taints={0: [TAINT]})
+    assert dropped_fields([sent], [stored(sent)]) == dropped

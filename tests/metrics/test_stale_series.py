@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.metrics_cardinality import world
 from mpsd.metrics import Metrics
 
-BOUNDED = {"method", "kind", "reason"}  # label values from a fixed set in the code, never from a pod or pid
+BOUNDED = {"method", "kind", "reason", "gate"}  # label values from a fixed set in the code, never from a pod or pid
 REPLACED = {  # family -> the setter that replaces its labelled group (exercised below)
     "mpsd_last_error_info": "set_last_error",
     "mpsd_mps_servers": "set_mps_servers",
@@ -30,6 +30,7 @@ REPLACED = {  # family -> the setter that replaces its labelled group (exercised
     "mpsd_claim_memory_bytes": "set_claims",
     "mpsd_claim_compute_percent": "set_claims",
     "mpsd_claim_memory_used_bytes": "set_claims",
+    "mpsd_dra_device_tainted": "set_device_taints",
 }
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -49,7 +52,7 @@ def test_remove_and_reload(tmp_path):
     assert [x.allocation_id for x in store.remove(["a1", "zz"])] == ["a1"]
     assert list(StateStore(path).load()) == ["b1"]
     store.compact()
-    assert sorted(os.listdir(tmp_path)) == ["s.json", "s.json.journal"]  # no temporary files left
+    assert sorted(os.listdir(tmp_path)) == ["s.json", "s.json.journal", "s.json.lock"]  # no temporary files left
     assert (tmp_path / "s.json.journal").stat().st_size == 0
     assert list(StateStore(path).load()) == ["b1"]
 
@@ -193,3 +196,45 @@ def test_a_damaged_journal_line_ends_the_replay_and_the_journal_is_kept_aside(tm
     restarted.compact()
     restarted.put(alloc(3))
     assert sorted(StateStore(path).load()) == ["a1", "a3"]
+
+
+def _in_another_process(path: str, code: str) -> subprocess.Popen:
+    prelude = ("import sys, time\nfrom mpsd.plugin.state import Allocation, StateStore\n"
+               f"store = StateStore({path!r})\nstore.load()\n")
+    return subprocess.Popen([sys.executable, "-c", prelude + code], stdout=subprocess.PIPE, text=True)
+
+
+def _alloc(name: str) -> Allocation:
+    return Allocation(name, (f"GPU-a::{name}",), ("GPU-a",), {0: GIB}, 10.0, f"/r/{name}", 1.0)
+
+
+def test_two_processes_sharing_the_state_never_lose_each_others_changes(tmp_path):
+    """The old and the new mpsd of a rolling update serve side by side over one state file: the
+    old store compacted its own copy over the other's changes (b1 was lost)."""
+    path = str(tmp_path / "s.json")
+    store = StateStore(path)
+    store.load()
+    store.put(_alloc("a1"))
+    other = _in_another_process(path, "store.put(Allocation('b1', ('GPU-a::b1',), ('GPU-a',), {0: 1 << 30}, 10.0, "
+                                      "'/r/b1', 1.0))\nstore.compact()\n")
+    assert other.wait(60) == 0
+    assert store.get("b1") is not None  # read again: the files changed under it
+    store.put(_alloc("a2"))
+    store.compact()
+    assert sorted(StateStore(path).load()) == ["a1", "a2", "b1"]
+
+
+def test_the_lock_excludes_another_process_and_its_wait_is_bounded(tmp_path):
+    path = str(tmp_path / "s.json")
+    holder = _in_another_process(path, "with store.lock:\n    print('held', flush=True)\n    time.sleep(3)\n")
+    assert holder.stdout.readline() == "held\n"
+    store = StateStore(path)
+    store.lock.wait = 0.3
+    with pytest.raises(PluginError, match=r"^state lock .*s\.json\.lock held by another process for 0\.3s$"):
+        store.put(_alloc("a1"))
+    store.lock.wait = 30
+    t0 = time.monotonic()
+    store.put(_alloc("a1"))  # waits for the holder, then goes on
+    assert time.monotonic() - t0 > 0.5
+    assert holder.wait(60) == 0
+    assert list(StateStore(path).load()) == ["a1"]
