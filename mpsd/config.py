@@ -21,6 +21,7 @@ from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 IPC_MODES = ("hostIPC", "tmpfs")
+LIFECYCLES = ("owned", "independent")  # daemonLifecycle (docs/operations.md, "Upgrading mpsd")
 
 
 # ------------------------------------------------ value parsers (raise ValueError with the accepted form)
@@ -245,6 +246,8 @@ SETTINGS: tuple[Setting, ...] = (
             "debug | info | warning | error"),
     Setting("faultPolicy", "fault-policy", _choice(("report", "terminate")), "report",
             "clients of an MPS server in FAULT: report (leave them) | terminate (terminate_client, then SIGKILL)"),
+    Setting("daemonLifecycle", "daemon-lifecycle", _choice(LIFECYCLES), "owned",
+            "owned (mpsd's child, quit when mpsd stops) | independent (outlives mpsd; the next mpsd adopts it)"),
     Setting("devicePlugin.enabled", "device-plugin", _bool, False,
             "serve the kubelet device plugin"),
     Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu",
@@ -335,6 +338,7 @@ class Config:
     fault_policy: str
     device_plugin: DevicePluginConfig
     dra: DraConfig = field(default_factory=DraConfig)
+    daemon_lifecycle: str = "owned"
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:
