@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.fakes import build_fake_cuda  # noqa: E402
-from tests.rollout import Node, read, stop, stop_daemon, wait_until  # noqa: E402
+from tests.rollout import Node, read, stop, wait_until  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 G = 1 << 30
@@ -62,16 +62,13 @@ def main() -> int:
     shim, fakes = build(work / "build")
     node = Node(work / "n", Path(binary), shim, fakes)
     node.work.mkdir()
-    started = []
     times: dict[str, list[float]] = {"sigterm": [], "sigkill": [], "config": []}
     try:
         if not args.no_holder:
-            started.append(node.spawn("holder"))
+            node.spawn("holder")
             wait_until(node.daemon_pid, "the holder's daemon")
         run, _ = node.start_timed()
-        started.append(run)
         client = node.exec_client("web", "1G")
-        started.append(client)
         daemon, servers, quits = node.daemon_pid(), node.servers(), node.quits()
         region = wait_until(lambda: node.metric("mpsd_region_memory_used_bytes"), "the region's series")
         percent = 50
@@ -83,7 +80,6 @@ def main() -> int:
                 if kind == "config":
                     percent = 60 if percent == 50 else 50
                 run, seconds = node.start_timed(**{"active-thread-percentage": str(percent)})
-                started.append(run)
                 times[kind].append(seconds)
                 where = f"round {round_} {kind}"
                 assert node.daemon_pid() == daemon, f"{where}: daemon {daemon} replaced by {node.daemon_pid()}"
@@ -94,10 +90,7 @@ def main() -> int:
                 now = wait_until(lambda: node.metric("mpsd_region_memory_used_bytes"), f"{where}: region series")
                 assert now == region, f"{where}: region accounting {region} -> {now}"
     finally:
-        for proc in reversed(started):
-            if proc.poll() is None:
-                stop(proc)
-        stop_daemon(node)
+        node.close()
         shutil.rmtree(work, ignore_errors=True)
     layout = "detached (no holder)" if args.no_holder else "kept by mpsd holder"
     print(f"daemon {layout}; {args.rounds} rounds; mpsd spawn -> /readyz 200:")

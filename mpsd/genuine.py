@@ -28,11 +28,12 @@ import os
 import re
 import select
 import shutil
+import stat
 from dataclasses import dataclass
 
 from . import dirs, peer
 
-VERSION = re.compile(rb"\x00(\d{3}\.\d{1,3}(?:\.\d{1,3})?)\x00")  # "535.261.03", NUL-terminated
+VERSION = re.compile(rb"\x00(\d{3}\.\d{1,3}\.\d{2})\x00")  # "535.261.03", "555.58.02": NUL-terminated
 PROGRAM_LIMIT = 256 << 20  # bytes read of an executable to compare it or find its version
 
 
@@ -105,6 +106,15 @@ def _read(path: str, limit: int = peer.READ_LIMIT) -> bytes:
     return peer._read(path, limit)
 
 
+def _read_program(path: str) -> bytes:
+    """An executable, at most PROGRAM_LIMIT bytes. /proc/PID/exe is the kernel's link to what
+    the process runs (not a name anyone chose), so it is followed; only a regular file is read."""
+    with open(path, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return f.read(PROGRAM_LIMIT)
+
+
 def program_problem(pid: int, binary: str, proc: str = "/proc") -> tuple[str, bool]:
     """("", False) when ``pid`` runs ``binary`` (4. above); else why not, and whether it is
     not an MPS control daemon at all (an impostor) rather than one of another version."""
@@ -117,7 +127,7 @@ def program_problem(pid: int, binary: str, proc: str = "/proc") -> tuple[str, bo
         have_st, want_st = os.stat(exe), os.stat(want)
         if (have_st.st_dev, have_st.st_ino) == (want_st.st_dev, want_st.st_ino):
             return "", False
-        have, wanted = _read(exe, PROGRAM_LIMIT), _read(want, PROGRAM_LIMIT)
+        have, wanted = _read_program(exe), _read_program(want)
     except OSError as exc:
         return f"cannot read what {peer.describe(pid, proc)} runs: {os.strerror(exc.errno or errno.EIO)}", True
     if have == wanted:
@@ -156,28 +166,40 @@ def process_problem(pid: int, pipe_dir: str, binary: str, proc: str = "/proc") -
     return "", False
 
 
-def prove(pipe_dir: str, binary: str, proc: str = "/proc") -> Proof:
-    """Whether the daemon serving ``pipe_dir`` is genuine (1-5 above); see :class:`Proof`."""
+def prove(pipe_dir: str, binary: str, proc: str = "/proc", tries: int = 3) -> Proof:
+    """Whether the daemon serving ``pipe_dir`` is genuine (1-5 above); see :class:`Proof`. A
+    daemon that exits while it is checked (its /proc entries gone half way) is looked at again."""
+    for _ in range(tries):
+        proof, changed = _prove_once(pipe_dir, binary, proc)
+        if not changed:
+            return proof
+    return proof
+
+
+def _prove_once(pipe_dir: str, binary: str, proc: str) -> tuple[Proof, bool]:
     privileged = os.path.join(pipe_dir, "control_privileged")
     lock = control_lock_holder(pipe_dir)
     listener = peer.listener_pid(privileged)
     if listener is None:
         if lock is None:
-            return Proof()  # nothing runs here: at most files a dead daemon left
-        return Proof(problem=f"{peer.describe(lock, proc)} holds {pipe_dir}/control_lock but nobody answers {privileged}")
+            return Proof(), False  # nothing runs here: at most files a dead daemon left
+        return Proof(problem=f"{peer.describe(lock, proc)} holds {pipe_dir}/control_lock but nobody answers "
+                     f"{privileged}"), False  # fmt: skip
     if listener == 0:
-        return Proof(problem=f"{privileged} is served by a process outside mpsd's PID namespace", impostor=True)
+        return Proof(problem=f"{privileged} is served by a process outside mpsd's PID namespace", impostor=True), False
+    changed = Proof(problem=f"the process serving {privileged} (pid {listener}) exited or changed while it was checked")
     try:
         pidfd = os.pidfd_open(listener)
     except OSError:
-        return Proof(problem=f"the process serving {privileged} (pid {listener}) exited while it was checked")
+        return changed, True
     proof = _check(pipe_dir, binary, listener, lock, proc)
-    if proof.pid is not None and (exited(pidfd) or peer.listener_pid(privileged) != listener):
-        proof = Proof(problem=f"the daemon serving {privileged} (pid {listener}) changed while it was checked")
+    if exited(pidfd) or peer.listener_pid(privileged) != listener:
+        os.close(pidfd)
+        return changed, True
     if proof.pid is None:
         os.close(pidfd)
-        return proof
-    return Proof(pid=listener, pidfd=pidfd)
+        return proof, False
+    return Proof(pid=listener, pidfd=pidfd), False
 
 
 def _check(pipe_dir: str, binary: str, listener: int, lock: int | None, proc: str) -> Proof:

@@ -154,15 +154,20 @@ def start_detached(config: cfg.Config) -> None:
 _said_no_holder: set[str] = set()
 
 
-def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], None]) -> AdoptedDaemon:
+def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], None],
+           on_refused: Callable[[Refused], None]) -> AdoptedDaemon:  # fmt: skip
     """The pipe dir's genuine daemon, adopted; where none runs and no holder keeps one, one
     started detached. Waiting while a holder (or a daemon that is starting) is to bring one up;
-    Refused (one line) for a daemon that is not adopted; SetupError, ControlError at a start."""
+    Refused (one line) for a daemon that is not adopted; SetupError, ControlError at a start.
+    Sockets served by an impostor while no daemon of this pipe dir runs are reported to
+    ``on_refused`` and replaced: a new daemon (the holder's, or one started here) binds them."""
     proof = genuine.prove(config.pipe_dir, config.control_binary)
     if proof.pid is not None:
         return AdoptedDaemon(proof.pid, proof.pidfd, on_exit, fresh=False)  # type: ignore[arg-type]
-    if not proof.absent:
-        raise Refused(proof)
+    if proof.problem:
+        if not proof.impostor or proof.owner is not None or genuine.control_lock_holder(config.pipe_dir):
+            raise Refused(proof)
+        on_refused(Refused(proof))
     holder = holder_pid(config.pipe_dir)
     if holder is not None:
         raise Waiting(f"no control daemon on pipe dir {config.pipe_dir}: waiting for the holder "
@@ -174,7 +179,7 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
             "process, not the cgroup of its container or service (docs/operations.md, Upgrading mpsd)",
             config.pipe_dir,
         )
-    if os.path.lexists(os.path.join(config.pipe_dir, "control_privileged")):
+    if proof.absent and os.path.lexists(os.path.join(config.pipe_dir, "control_privileged")):
         log.warning("pipe dir %s: nobody answers control_privileged (files of a daemon that is gone): "
                     "replacing them", config.pipe_dir)  # fmt: skip
     if dirs.daemon_holds_lock(Path(os.path.normpath(config.pipe_dir))):

@@ -207,7 +207,7 @@ class Supervisor:
 
     def _launch(self) -> DaemonProcess | independent.AdoptedDaemon:
         if self._independent:
-            return independent.attach(self.config, self._exited_cb)
+            return independent.attach(self.config, self._exited_cb, self._report)
         dirs.prepare(self.config.pipe_dir, self.config.log_dir)
         return DaemonProcess(self.config, self._exited_cb)
 
@@ -232,14 +232,18 @@ class Supervisor:
         """The daemon on the pipe dir is not adopted: one line (not repeated while it stays the
         same), /readyz 503 with it, tried again with backoff. An impostor is counted; a genuine
         daemon whose sockets it serves is killed, to bind them again (its holder restarts it)."""
+        message = self._report(exc)
+        if exc.owner is not None and independent.kill_verified(exc.owner, self.config):
+            log.error("killed the daemon pid=%d so that it binds its sockets again", exc.owner)
+        self._failed(message, quiet=True)
+
+    def _report(self, exc: independent.Refused) -> str:
         message = f"control daemon not adopted: {exc}"
         if exc.impostor:
             message = f"control socket impostor at adoption: {exc}"
             self._publish(impostors=self.status().impostors + 1)
         self._say(logging.ERROR, message)
-        if exc.owner is not None and independent.kill_verified(exc.owner, self.config):
-            log.error("killed the daemon pid=%d so that it binds its sockets again", exc.owner)
-        self._failed(message, quiet=True)
+        return message
 
     def _say(self, level: int, message: str) -> None:
         if message != self._said:
@@ -381,7 +385,7 @@ class Supervisor:
         if not changed:
             return ""
         try:
-            drift.restore(self.control(), self._applied, devices)
+            drift.restore(self.control(), self._applied, devices, got)
         except ControlBusy as exc:
             self._adopting = adopting
             return f"daemon defaults changed ({'; '.join(changed)}), not restored yet: {exc}"

@@ -62,7 +62,20 @@ class Node:
     shim_lib: Path | None = None
     fake_cuda: Path | None = None
     port: int = field(default_factory=free_port)
+    started: list[subprocess.Popen] = field(default_factory=list)  # stopped by close()
     _logs: int = 0
+
+    def close(self) -> None:
+        """Stop every process started here (latest first) and whatever daemon is left."""
+        for proc in reversed(self.started):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        stop_daemon(self)
 
     @property
     def pipe(self) -> Path:
@@ -105,6 +118,7 @@ class Node:
             proc = subprocess.Popen([*MPSD, command, *self.flags(**settings)], cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, env=_clean_env())  # fmt: skip
         proc.log = log  # type: ignore[attr-defined]
+        self.started.append(proc)
         return proc
 
     def ready(self) -> bool:
@@ -167,6 +181,7 @@ class Node:
         with open(log, "w") as out:
             proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         proc.log = log  # type: ignore[attr-defined]
+        self.started.append(proc)
         wait_until(lambda: proc.poll() is not None or "holding" in log.read_text(), "the exec client to hold")
         assert proc.poll() is None, log.read_text()
         return proc
