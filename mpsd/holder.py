@@ -40,34 +40,48 @@ log = logging.getLogger(__name__)
 FOREIGN_POLL = 1.0  # seconds between looks at a daemon the holder did not start, besides its pidfd
 
 
-def hold_lock(pipe_dir: str) -> int:
+def hold_lock(pipe_dir: str, tries: int = 2) -> int:
     """Create and check the pipe dir, then take the holder's lock for the caller's life (the fd
-    returned). SetupError naming the other holder's PID when one runs."""
+    returned). SetupError naming the other holder's PID when one runs. A read lock there is
+    nobody's claim (a root pod handed the pipe dir can take one on any file it can open, as on
+    control_lock, mpsd.dirs): logged, and the file replaced."""
     pipe = Path(os.path.normpath(pipe_dir))
     if not pipe.is_absolute():
         raise SetupError(f"pipe dir {pipe_dir!r}: expected an absolute path")
     dirs.ensure_dir(pipe, 0o755, "pipe dir")
     path = pipe / HOLDER_LOCK
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise SetupError(f"pipe dir {pipe}: cannot open {path}: {exc.strerror}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
-            raise SetupError(f"pipe dir {pipe}: {path} is not a regular file of root or mpsd's user; remove it")
+    for attempt in range(tries):
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            _, pid = dirs.lock_holder(fd)
-            raise SetupError(
-                f"pipe dir {pipe}: another mpsd holder (pid {pid or 'unknown'}) holds {path}; "
-                "one holder per pipe dir"
-            ) from None
-    except BaseException:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise SetupError(f"pipe dir {pipe}: cannot open {path}: {exc.strerror}") from exc
+        try:
+            kind, pid = _lock(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if kind is None:
+            return fd
         os.close(fd)
-        raise
-    return fd
+        if kind != fcntl.F_RDLCK or attempt == tries - 1:
+            raise SetupError(
+                f"pipe dir {pipe}: another mpsd holder (pid {pid or 'unknown'}) holds {path}; one holder per pipe dir"
+            )
+        log.warning("%s read-locked by pid %d, not a holder: replacing it", path, pid)
+        os.unlink(path)
+    raise AssertionError("unreachable")
+
+
+def _lock(fd: int, path: Path) -> tuple[int | None, int]:
+    """(None, 0) once ``fd`` is write-locked; else the kind and PID of the lock in the way."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+        raise SetupError(f"pipe dir {path.parent}: {path} is not a regular file of root or mpsd's user; remove it")
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None, 0
+    except OSError:
+        return dirs.lock_holder(fd)
 
 
 class Holder:

@@ -31,7 +31,9 @@ from .errors import ControlError, MpsdError, SetupError
 
 log = logging.getLogger(__name__)
 
-HOLDER_LOCK = "mpsd-holder.lock"  # in the pipe dir: write-locked (POSIX) by the holder for its life
+# In the pipe dir: write-locked (POSIX) by the holder for its life, and left there after it as
+# the sign that this pipe dir's daemon is a holder's (mpsd run then waits for it, never starting one).
+HOLDER_LOCK = "mpsd-holder.lock"
 
 
 class Waiting(ControlError):
@@ -172,6 +174,10 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     if holder is not None:
         raise Waiting(f"no control daemon on pipe dir {config.pipe_dir}: waiting for the holder "
                       f"{peer.describe(holder)} to start it")  # fmt: skip
+    marker = os.path.join(config.pipe_dir, HOLDER_LOCK)
+    if os.path.lexists(marker):  # a holder is installed here: its daemon is awaited, not replaced by one of ours
+        raise Waiting(f"no control daemon on pipe dir {config.pipe_dir} and no mpsd holder running, though one "
+                      f"kept it before ({marker}): waiting for the holder; remove that file if it is gone for good")
     if config.pipe_dir not in _said_no_holder:  # once per process: the daemon's fate, not a failure
         _said_no_holder.add(config.pipe_dir)
         log.warning(

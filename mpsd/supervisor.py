@@ -162,7 +162,8 @@ class Supervisor:
 
     def _start(self, first: bool) -> None:
         status = self.status()
-        self._publish(state="starting", restarts=status.restarts + (0 if first else 1))
+        counted = 0 if first else 1  # independent: only a daemon found or started counts, not a wait
+        self._publish(state="starting", restarts=status.restarts + (0 if self._independent else counted))
         try:
             self._daemon = self._launch()
         except independent.Waiting as exc:
@@ -179,6 +180,8 @@ class Supervisor:
             return
         self._faults.reset()
         self._said = ""
+        if self._independent:
+            self._publish(restarts=status.restarts + counted)
         if isinstance(self._daemon, independent.AdoptedDaemon) and not self._daemon.fresh:
             return self._adopt(self._daemon)
         self._adopting = False
@@ -460,7 +463,7 @@ class Supervisor:
                      "mpsd stop-daemon stops it", daemon.pid)  # fmt: skip
         elif daemon is not None and daemon.alive():
             how = quit_daemon(self.control(), daemon, self.config.shutdown_timeout)
-            log.info("daemon pid=%d %s status=%s", daemon.pid, how, daemon.exit_status())
+            log.info("daemon stopped pid=%d status=%s: %s", daemon.pid, daemon.exit_status(), how)
         self.board.update(daemon_up=False, configured=False)
         self._publish(state="stopped", pid=None)
 
