@@ -84,8 +84,14 @@ def status_uids(status: str) -> tuple[int, ...]:
 def control_lock_holder(pipe_dir: str) -> int | None:
     """The PID holding the daemon's write lock on pipe_dir/control_lock, None when none does
     (a read lock is anyone's: mpsd.dirs.daemon_holds_lock)."""
+    return write_lock_holder(os.path.join(pipe_dir, "control_lock"))
+
+
+def write_lock_holder(path: str) -> int | None:
+    """The PID holding a POSIX write lock on ``path`` (F_GETLK), None when none does or the
+    file cannot be opened (not followed if it is a link)."""
     try:
-        fd = os.open(os.path.join(pipe_dir, "control_lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:

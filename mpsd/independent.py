@@ -11,7 +11,6 @@ PID that may have been reused is never signalled) and let go when mpsd stops. do
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import select
@@ -49,18 +48,9 @@ class Refused(ControlError):
 
 
 def holder_pid(pipe_dir: str) -> int | None:
-    """The PID of the ``mpsd holder`` keeping this pipe dir's daemon, None when none runs."""
-    try:
-        fd = os.open(os.path.join(pipe_dir, HOLDER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        kind, pid = dirs.lock_holder(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return pid if kind == fcntl.F_WRLCK and pid > 0 else None  # a read lock is anyone's
+    """The PID of the ``mpsd holder`` keeping this pipe dir's daemon, None when none runs (a
+    read lock is anyone's)."""
+    return genuine.write_lock_holder(os.path.join(pipe_dir, HOLDER_LOCK))
 
 
 class AdoptedDaemon:

@@ -26,6 +26,7 @@ from . import dirs, drift, independent, peer
 from .computemode import ComputeMode
 from .config import Config
 from .control import ConfigureError, Control, apply_defaults, limit_early_servers
+from .adoption import AdoptionMixin
 from .daemon import DaemonProcess, quit_daemon
 from .errors import ConfigError, ControlBusy, ControlError, ControlImpostor, ControlTimeout, SetupError
 from .faults import FaultHandler
@@ -46,7 +47,7 @@ def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float
     return min(maximum, initial * 2 ** max(failures_in_row - 1, 0))
 
 
-class Supervisor:
+class Supervisor(AdoptionMixin):
     def __init__(
         self,
         config: Config,
@@ -170,12 +171,9 @@ class Supervisor:
             return self._wait(str(exc))
         except independent.Refused as exc:
             return self._refused(exc)
-        except SetupError as exc:
-            if first and not self._independent:
+        except (SetupError, ControlError) as exc:  # ControlError: a detached start that did not come up
+            if first and isinstance(exc, SetupError) and not self._independent:
                 raise
-            self._failed(f"cannot start the daemon: {exc}")
-            return
-        except ControlError as exc:  # a detached start (controlBinary -d) that did not come up
             self._failed(f"cannot start the daemon: {exc}")
             return
         self._faults.reset()
@@ -213,45 +211,6 @@ class Supervisor:
             return independent.attach(self.config, self._exited_cb, self._report)
         dirs.prepare(self.config.pipe_dir, self.config.log_dir)
         return DaemonProcess(self.config, self._exited_cb)
-
-    def _adopt(self, daemon: independent.AdoptedDaemon) -> None:
-        """A running daemon, proven genuine, supervised from now on: nothing is sent to it but
-        the health check, which reads its defaults back and sets those that differ (no quit, no
-        restart, no server touched). /readyz turns ready once that check passes."""
-        log.info("adopted the running control daemon pid=%d pipe_dir=%s", daemon.pid, self.config.pipe_dir)
-        self._applied, self._defaults_stale, self._verdict_at = self.config, False, time.monotonic()
-        self._publish(state="running", pid=daemon.pid)
-        self._adopting = True
-        self._health_check()
-
-    def _wait(self, message: str) -> None:
-        """No daemon, and not mpsd's to start yet (the holder's is awaited): looked for again soon."""
-        self._say(logging.WARNING, message)
-        self.board.update(daemon_up=False, configured=False, last_error=message, unverified="")
-        self._publish(state="backoff", pid=None, last_error=message, servers=(), server_states={})
-        self._next_at = time.monotonic() + min(self.config.restart_backoff_initial, 1.0)
-
-    def _refused(self, exc: independent.Refused) -> None:
-        """The daemon on the pipe dir is not adopted: one line (not repeated while it stays the
-        same), /readyz 503 with it, tried again with backoff. An impostor is counted; a genuine
-        daemon whose sockets it serves is killed, to bind them again (its holder restarts it)."""
-        message = self._report(exc)
-        if exc.owner is not None and independent.kill_verified(exc.owner, self.config):
-            log.error("killed the daemon pid=%d so that it binds its sockets again", exc.owner)
-        self._failed(message, quiet=True)
-
-    def _report(self, exc: independent.Refused) -> str:
-        message = f"control daemon not adopted: {exc}"
-        if exc.impostor:
-            message = f"control socket impostor at adoption: {exc}"
-            self._publish(impostors=self.status().impostors + 1)
-        self._say(logging.ERROR, message)
-        return message
-
-    def _say(self, level: int, message: str) -> None:
-        if message != self._said:
-            log.log(level, "%s", message)
-        self._said = message
 
     def _wait_listening(self, daemon: DaemonProcess | independent.AdoptedDaemon) -> None:
         deadline = time.monotonic() + self.config.health_timeout
