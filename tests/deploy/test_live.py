@@ -1,6 +1,8 @@
 """The shipped configs run: `mpsd run --config <each config in deploy/>` with the real
 nvidia-cuda-mps-control, answers the probes its manifest declares, and on SIGTERM exits 0,
-leaving no process behind, within the grace its manifest or unit gives it.
+leaving no process behind, within the grace its manifest or unit gives it. A config with
+`daemonLifecycle: independent` runs beside `mpsd holder` on the same file: mpsd's SIGTERM leaves
+the holder's daemon running, and the holder's SIGTERM stops it within the same grace.
 
 Host paths are redirected under a temporary directory with flags (flag > file), and the
 metrics port to a free local one; everything else comes from the shipped file."""
@@ -110,6 +112,11 @@ def test_shipped_config_runs_answers_its_probes_and_stops_in_time(
     port = free_port()
     env = {**os.environ, "FAKE_NVML_CONFIG": str(nvml_config), "MPSSHIM_LIBRARY": str(shim_lib)}
     argv = mpsd_argv(REPO / config_rel, tmp_path, mps_control_binary, port, fake_cuda_dir / "libnvidia-ml.so.1")
+    independent = yaml.safe_load((REPO / config_rel).read_text()).get("daemonLifecycle") == "independent"
+    holder = None
+    if independent:  # the daemon is the holder's (deploy/systemd/mpsd-holder.service), started first
+        holder_log = open(tmp_path / "holder.log", "w")  # noqa: SIM115 (closed below)
+        holder = subprocess.Popen([*argv[:3], "holder", *argv[4:]], env=env, stdout=holder_log, stderr=subprocess.STDOUT)
     log = open(tmp_path / "mpsd.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -117,17 +124,27 @@ def test_shipped_config_runs_answers_its_probes_and_stops_in_time(
             # the sidecar's startupProbe allows 60 s; be as patient on a busy 2-core machine
             assert wait_for(f"http://127.0.0.1:{port}{path}", 60) == 200, (path, (tmp_path / "mpsd.log").read_text())
         assert status(f"http://127.0.0.1:{port}/metrics") == 200
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert children, "mpsd started no control daemon"
+        parent = holder if holder is not None else proc
+        children = psutil.Process(parent.pid).children(recursive=True)
+        assert children, "no control daemon started"
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=grace_s)
         took = time.monotonic() - started
+        if holder is not None:  # mpsd left the holder's daemon running; the holder stops it in time
+            assert all(c.is_running() for c in children), "mpsd stopped the holder's daemon"
+            started = time.monotonic()
+            holder.send_signal(signal.SIGTERM)
+            assert holder.wait(timeout=grace_s) == 0, (tmp_path / "holder.log").read_text()
+            assert time.monotonic() - started < grace_s
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for p in (proc, holder):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
         log.close()
+        if holder is not None:
+            holder_log.close()
     assert rc == 0, (tmp_path / "mpsd.log").read_text()
     assert took < grace_s
     psutil.wait_procs(children, timeout=5)
