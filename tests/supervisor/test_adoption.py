@@ -19,6 +19,7 @@ import pytest
 from mpsd import config as cfg
 from mpsd import genuine, peer
 from mpsd.control import Control, apply_defaults
+from mpsd.errors import SetupError
 from tests.rollout import REPO, Node, read, stop, wait_until
 from tests.supervisor.test_genuine import dead, kill_and_reap, other_version, start
 
@@ -187,3 +188,14 @@ def test_two_runs_at_once_on_a_running_daemon_one_adopts_it_the_other_says_who(m
         assert node.daemon_pid() == daemon and node.quits() == 0
     finally:
         node.close()
+
+
+def test_owned_mode_refuses_a_running_daemon_with_one_line_saying_what_to_do(config, leftovers, run_supervisor):
+    pid = start(config)
+    r = run_supervisor(cfg.replace(config, daemon_lifecycle="owned"))
+    r.thread.join(30)
+    (error,) = r.result
+    assert isinstance(error, SetupError) and "\n" not in str(error)
+    assert "another nvidia-cuda-mps-control holds" in str(error)
+    assert "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent)" in str(error)
+    assert not dead(pid) and genuine.control_lock_holder(config.pipe_dir) == pid
