@@ -85,20 +85,23 @@ class AdoptedDaemon:
         return self._pidfd is None or bool(select.select([self._pidfd], [], [], max(timeout, 0.0))[0])
 
     def kill(self) -> None:
-        """SIGKILL the daemon through its pidfd, and its process group (its servers) where it
-        leads one: as for a child, the group ID stays reserved while a member is left."""
-        if self._pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            except PermissionError as exc:
-                log.error("cannot kill daemon pid=%d error=%s", self.pid, exc)
+        """SIGKILL the daemon through its pidfd, and while it still runs, its process group (its
+        servers) where it leads one: a group ID cannot be reused while its leader runs. Once it
+        is gone, what is left is its parent's to clean up (the holder's; MPS servers exit with
+        their control daemon)."""
+        if self._pidfd is None or genuine.exited(self._pidfd):
+            return
         if self._group:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.error("cannot kill daemon pid=%d error=%s", self.pid, exc)
 
     def release(self) -> None:
         """Let the daemon go (mpsd stops, or it is gone): stop watching, close the pidfd."""
