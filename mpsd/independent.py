@@ -1,8 +1,9 @@
 """``daemonLifecycle: independent``: a control daemon that outlives ``mpsd run``.
 
 The daemon is either kept by a holder (``mpsd holder``, mpsd/holder.py: its parent, which
-restarts it) or, where no holder runs, started by mpsd detached (``controlBinary -d``: it forks
-into a session of its own, re-parented to init, and writes logDir/control.log itself). Either
+restarts it) or, where no holder runs or ran and mpsd is in no service unit or container that
+would take it down with mpsd, started by mpsd detached (``controlBinary -d``: it forks into a
+session of its own, re-parented to init, and writes logDir/control.log itself). Either
 way mpsd supervises it without being its parent: it proves the daemon genuine first
 (mpsd.genuine), then holds it through a pidfd — watched for its exit, signalled through it (a
 PID that may have been reused is never signalled) and let go when mpsd stops. docs/operations.md
@@ -149,6 +150,28 @@ def start_detached(config: cfg.Config) -> None:
 _said_no_holder: set[str] = set()
 
 
+def confining_cgroup(cgroup: str) -> str:
+    """What stops every process of a /proc/PID/cgroup text's group when its main process stops:
+    a Kubernetes pod or a container (its runtime kills the rest, with hostPID too: containerd's
+    ShouldKillAllOnExit), or a systemd service unit (KillMode control-group or mixed); "" for
+    anything else (a login session, a scope, a bare host)."""
+    owner = peer.cgroup_owner(cgroup)
+    if owner:
+        return owner
+    for line in cgroup.splitlines():
+        last = line.split(":", 2)[-1].rstrip("/").rsplit("/", 1)[-1]
+        if last.endswith(".service"):
+            return f"the systemd unit {last}"
+    return ""
+
+
+def _self_cgroup() -> str:
+    try:
+        return peer._read("/proc/self/cgroup").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], None],
            on_refused: Callable[[Refused], None]) -> AdoptedDaemon:  # fmt: skip
     """The pipe dir's genuine daemon, adopted; where none runs and no holder keeps one, one
@@ -171,6 +194,11 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     if os.path.lexists(marker):  # a holder is installed here: its daemon is awaited, not replaced by one of ours
         raise Waiting(f"no control daemon on pipe dir {config.pipe_dir} and no mpsd holder running, though one "
                       f"kept it before ({marker}): waiting for the holder; remove that file if it is gone for good")
+    where = confining_cgroup(_self_cgroup())
+    if where:  # a daemon started here would be stopped with mpsd: only a holder can keep it
+        raise Waiting(f"no control daemon and no mpsd holder on pipe dir {config.pipe_dir}: mpsd runs in {where}, "
+                      "which stops every process in it when mpsd stops; start mpsd holder (docs/operations.md, "
+                      "Upgrading mpsd)")  # fmt: skip
     if config.pipe_dir not in _said_no_holder:  # once per process: the daemon's fate, not a failure
         _said_no_holder.add(config.pipe_dir)
         log.warning(

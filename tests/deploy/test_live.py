@@ -117,6 +117,14 @@ def test_shipped_config_runs_answers_its_probes_and_stops_in_time(
     if independent:  # the daemon is the holder's (deploy/systemd/mpsd-holder.service), started first
         holder_log = open(tmp_path / "holder.log", "w")  # noqa: SIM115 (closed below)
         holder = subprocess.Popen([*argv[:3], "holder", *argv[4:]], env=env, stdout=holder_log, stderr=subprocess.STDOUT)
+        # Under systemd mpsd.service (a .service cgroup) waits for the holder's daemon; this test's
+        # mpsd runs in no unit and would start one itself if it came first.
+        from mpsd.genuine import control_lock_holder
+
+        end = time.monotonic() + 60
+        while control_lock_holder(str(tmp_path / "pipe")) is None:
+            assert holder.poll() is None and time.monotonic() < end, (tmp_path / "holder.log").read_text()
+            time.sleep(0.05)
     log = open(tmp_path / "mpsd.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -14,10 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mpsd import config as cfg
-from mpsd import genuine, peer
+from mpsd import genuine, independent, peer
 from mpsd.control import Control, apply_defaults
 from mpsd.errors import SetupError
 from tests.rollout import REPO, Node, read, stop, wait_until
@@ -199,3 +200,20 @@ def test_owned_mode_refuses_a_running_daemon_with_one_line_saying_what_to_do(con
     assert "another nvidia-cuda-mps-control holds" in str(error)
     assert "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent)" in str(error)
     assert not dead(pid) and genuine.control_lock_holder(config.pipe_dir) == pid
+
+
+def test_in_a_service_or_a_pod_mpsd_waits_for_a_holder_instead_of_starting_a_daemon(config, run_supervisor,
+                                                                                      monkeypatch):  # fmt: skip
+    monkeypatch.setattr(independent, "_self_cgroup", lambda: "0::/system.slice/mpsd.service\n")
+    r = run_supervisor(config)
+    r.wait_for(lambda s: "start mpsd holder" in s.last_error, what="the wait")
+    assert "mpsd runs in the systemd unit mpsd.service, which stops every process in it" in r.board.current().last_error
+    time.sleep(1.0)
+    assert genuine.control_lock_holder(config.pipe_dir) is None and not r.board.current().daemon_up
+    holder = subprocess.Popen([sys.executable, "-m", "mpsd", "holder", f"--control-binary={config.control_binary}",
+                               f"--pipe-dir={config.pipe_dir}", f"--log-dir={config.log_dir}"], cwd=REPO)  # fmt: skip
+    try:
+        r.wait_for(ready, what="the holder's daemon adopted")
+        assert psutil.Process(r.sup.status().pid).ppid() == holder.pid
+    finally:
+        assert stop(holder) == 0

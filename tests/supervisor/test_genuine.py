@@ -199,3 +199,27 @@ def test_a_socket_renamed_over_the_daemons_names_the_genuine_daemon_as_owner(con
     proof = proved(config)
     assert proof.pid is None and proof.impostor and proof.owner == pid
     assert f"pid {impostor.pid}" in proof.problem and "not nvidia-cuda-mps-control" in proof.problem
+
+
+POD_CGROUP = (
+    "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0b5e8c3a_1f2d_4c6e_9a7b_3d2e1f0a9b8c.slice/"
+    "cri-containerd-" + "4f" * 32 + ".scope\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "where"),
+    [
+        ("0::/system.slice/mpsd.service\n", "the systemd unit mpsd.service"),
+        ("12:pids:/system.slice/mpsd.service\n1:name=systemd:/system.slice/mpsd.service\n0::/\n",
+         "the systemd unit mpsd.service"),
+        ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/mpsd.service\n", "the systemd unit mpsd.service"),
+        (POD_CGROUP, "pod 0b5e8c3a-1f2d-4c6e-9a7b-3d2e1f0a9b8c container 4f4f4f4f4f4f"),
+        ("0::/system.slice/docker-" + "ab" * 32 + ".scope\n", "container " + "ab" * 6),
+        ("0::/user.slice/user-0.slice/session-3.scope\n", ""),  # a login: what mpsd starts outlives it
+        ("0::/\n", ""),
+        ("4:memory:/process_api/207f3ddbe90b027d91e8a157979ee12a\n0::/\n", ""),
+    ],
+)
+def test_confining_cgroup(cgroup, where):
+    assert independent.confining_cgroup(cgroup) == where
