@@ -217,3 +217,20 @@ def test_in_a_service_or_a_pod_mpsd_waits_for_a_holder_instead_of_starting_a_dae
         assert psutil.Process(r.sup.status().pid).ppid() == holder.pid
     finally:
         assert stop(holder) == 0
+
+
+def test_a_held_session_does_not_get_an_adopted_daemon_killed(config, leftovers, run_supervisor):
+    from tests.supervisor.conftest import FrontEndHolder
+
+    pid = start(config)
+    r = run_supervisor(config)
+    r.wait_for(ready, what="the daemon adopted")
+    held = FrontEndHolder(config.control_binary, config.pipe_dir)
+    try:
+        wait_until(lambda: "held by" in r.sup.status().last_error, "an inconclusive check naming the holder")
+        assert f"pid {held.proc.pid}" in r.sup.status().last_error  # read from the adopted daemon's descriptors
+        assert r.sup.status().pid == pid and not dead(pid)
+    finally:
+        held.release()
+    wait_until(lambda: r.sup.status().last_error == "" and r.board.current().daemon_up, "a conclusive check again")
+    assert r.sup.status().pid == pid and r.sup.status().restarts == 0
