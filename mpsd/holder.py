@@ -95,7 +95,7 @@ class Holder:
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self._events.put(("stop",)))
         signal.signal(signal.SIGINT, lambda *_: self._events.put(("stop",)))
-        signal.signal(signal.SIGHUP, lambda *_: log.info("SIGHUP: the holder has nothing to reload"))
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nothing to reload: what changes is mpsd run's
 
     def stop(self) -> None:
         self._events.put(("stop",))

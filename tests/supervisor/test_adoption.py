@@ -46,6 +46,11 @@ def ready(state) -> bool:
     return state.daemon_up and state.configured
 
 
+def logged(log: Path, text: str) -> str:
+    """control.log once the daemon has written ``text`` to it (it may write after it answered)."""
+    return wait_until(lambda: text in (content := log.read_text()) and content, f"{text!r} in {log}")
+
+
 def lines(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
@@ -55,7 +60,7 @@ def test_a_running_daemon_is_adopted_without_a_command_that_changes_it(config, l
     pid = start(config)
     apply_defaults(Control(config.control_binary, config.pipe_dir), config)  # what the mpsd before set
     log = Path(config.log_dir) / "control.log"
-    before = log.read_text()
+    before = logged(log, "Cmd:set_default_client_priority 1")
     r = run_supervisor(config)
     r.wait_for(ready, what="the daemon adopted")
     assert r.sup.status().pid == pid and r.sup.status().restarts == 0
@@ -71,7 +76,7 @@ def test_only_the_defaults_that_differ_are_set_at_adoption(config, leftovers, ru
     control = Control(config.control_binary, config.pipe_dir)
     apply_defaults(control, cfg.replace(config, active_thread_percentage=50.0))  # another config's
     log = Path(config.log_dir) / "control.log"
-    before = log.read_text()
+    before = logged(log, "Cmd:set_default_active_thread_percentage 50")
     r = run_supervisor(cfg.replace(config, active_thread_percentage=60.0))
     r.wait_for(ready, what="the daemon adopted")
     assert r.sup.status().pid == pid and control.get_default_active_thread_percentage() == 60.0
