@@ -1,4 +1,5 @@
-"""Command line: ``mpsd run | status | check-config | exec | dra-remove-slices``. Only wiring: flags onto config.
+"""Command line: ``mpsd run | status | check-config | exec | holder | stop-daemon |
+dra-remove-slices``. Only wiring: flags onto config.
 
 Every config key has a flag (``--pipe-dir``) and an environment variable (``MPSD_PIPE_DIR``);
 precedence flag > env > file > default. A malformed file, flag or env value exits 2 with one
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="daemon state, settings, servers and clients of a running node")
     _add_config_flags(status)
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    holder = sub.add_parser("holder", help="keep the MPS control daemon running for daemonLifecycle: independent")
+    _add_config_flags(holder)
+    stop = sub.add_parser("stop-daemon", help="quit the control daemon an independent mpsd run left running")
+    _add_config_flags(stop)
     check = sub.add_parser("check-config", help="validate a config file and print the resolved settings")
     check.add_argument("file")
     check.add_argument("--json", action="store_true", help="print the resolved config as JSON")
@@ -148,6 +153,15 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from .dra.service import remove_slices
 
             print(f"{remove_slices(config, args.node)} ResourceSlice(s) of {config.dra.driver_name} deleted")
+            return 0
+        if args.command == "holder":
+            from .holder import holder_main
+
+            return holder_main(config)
+        if args.command == "stop-daemon":
+            from .independent import stop_daemon
+
+            print(printable(stop_daemon(config)))
             return 0
         return _exec(args, config, env)
     except ConfigError as exc:

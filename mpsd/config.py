@@ -32,6 +32,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 IPC_MODES = ("hostIPC", "tmpfs")
 PROTOCOLS = ("auto", "2", "3")
 SHIM_MODES = ("auto", "on", "off")
+LIFECYCLES = ("owned", "independent")  # daemonLifecycle (docs/operations.md, "Upgrading mpsd")
 
 
 # ------------------------------------------------ value parsers (raise ValueError with the accepted form)
@@ -285,6 +286,8 @@ SETTINGS: tuple[Setting, ...] = (
             "debug | info | warning | error"),
     Setting("faultPolicy", "fault-policy", _choice(("report", "terminate")), "report",
             "clients of an MPS server in FAULT: report (leave them) | terminate (terminate_client, then SIGKILL)"),
+    Setting("daemonLifecycle", "daemon-lifecycle", _choice(LIFECYCLES), "owned",
+            "owned (mpsd's child, quit when mpsd stops) | independent (outlives mpsd; the next mpsd adopts it)"),
     Setting("devicePlugin.enabled", "device-plugin", _bool, False,
             "serve the kubelet device plugin"),
     Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu",
@@ -400,6 +403,7 @@ class Config:
     device_plugin: DevicePluginConfig
     dra: DraConfig = field(default_factory=DraConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    daemon_lifecycle: str = "owned"
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:

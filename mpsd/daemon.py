@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import shutil
 import signal
@@ -17,7 +18,8 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from . import config as cfg
-from .errors import SetupError
+from .control import Control
+from .errors import ControlError, SetupError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,21 @@ def daemon_command(binary: str, args: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f", *args]
 
 
+def daemon_env(config: cfg.Config) -> dict[str, str]:
+    """mpsd's environment with the daemon's pipe and log dirs and devices, and without any
+    CUDA_MPS_* default: only the configuration decides those."""
+    env = dict(os.environ)
+    env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
+    env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    for name in ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY"):
+        env.pop(name, None)
+    if config.visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and NVML number them
+    return env
+
+
 class DaemonProcess:
     """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log. It is
     killed by the kernel if the thread that started it (the supervisor loop) dies."""
@@ -62,24 +79,12 @@ class DaemonProcess:
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
     ) -> None:
-        extra_env, env = env or {}, dict(os.environ)  # args, env: the sharing backend's (MPS v3: -p 3 -a FILE)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
-        env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        for name in (
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-            "CUDA_MPS_CLIENT_PRIORITY",
-        ):
-            env.pop(name, None)  # mpsd's own environment must not change the daemon's defaults
-        if config.visible_devices:
-            env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and NVML number them
-        env.update(extra_env)
+        full_env = daemon_env(config)  # args, env: the sharing backend's (MPS v3: -p 3 -a FILE)
+        full_env.update(env or {})
         try:
             self.proc = subprocess.Popen(
                 daemon_command(config.control_binary, args),
-                env=env,
+                env=full_env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -124,6 +129,13 @@ class DaemonProcess:
     def alive(self) -> bool:
         return self.returncode is None and self.proc.poll() is None
 
+    def exit_status(self) -> int | None:
+        """Its exit status once it has exited, else None."""
+        return self.proc.poll()
+
+    def release(self) -> None:
+        """Nothing to let go of: a child is watched until it is reaped."""
+
     def kill(self) -> None:
         """SIGKILL the daemon and everything in its session (its servers). The daemon itself
         only while it is not reaped: its PID may belong to another process by then. Its group
@@ -142,6 +154,22 @@ class DaemonProcess:
             return True
         except subprocess.TimeoutExpired:
             return False
+
+
+def quit_daemon(control: Control, daemon, limit: float) -> str:
+    """``quit -t LIMIT`` through ``control``, a wait of up to ``limit`` seconds in all, then
+    SIGKILL of what is left of ``daemon`` and its servers: "stopped (quit)" or "killed ..."."""
+    began = time.monotonic()
+    try:
+        control.quit(timeout_s=max(1, math.ceil(limit)), wait=limit)
+    except ControlError as exc:
+        log.warning("quit failed pid=%d error=%s", daemon.pid, exc)
+    quitted = daemon.wait(max(0.0, limit - (time.monotonic() - began)))
+    if not quitted:
+        log.warning("daemon pid=%d still running after %gs: killing it", daemon.pid, limit)
+    daemon.kill()  # also servers left in its session
+    daemon.wait(5.0)
+    return "stopped (quit)" if quitted else f"killed: still running {limit:g}s after quit"
 
 
 class LogFile:

@@ -46,7 +46,7 @@ def prepare(pipe_dir: str, log_dir: str) -> None:
     if daemon_holds_lock(pipe):
         raise SetupError(
             f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control holds {pipe / 'control_lock'}; "
-            "stop it or choose another pipeDir"
+            "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent) or choose another pipeDir"
         )
     remove_stale(pipe)
 

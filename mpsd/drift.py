@@ -70,14 +70,19 @@ def differences(want: Defaults, got: Defaults) -> list[str]:
     return out
 
 
-def restore(control: Control, config: "Config", devices: set[int]) -> None:
-    """Set every watched default to the config's and read them back; ConfigureError if one
-    does not come back as set."""
-    control.set_default_active_thread_percentage(config.active_thread_percentage)
+def restore(control: Control, config: "Config", devices: set[int], got: Defaults | None = None) -> None:
+    """Set every watched default to the config's (those that differ from ``got``, when given)
+    and read them back; ConfigureError if one does not come back as set."""
+    want = expected(config, devices)
+    if got is None or not math.isclose(got.active_thread_percentage, want.active_thread_percentage, abs_tol=0.05):
+        control.set_default_active_thread_percentage(config.active_thread_percentage)
     for device in sorted(watched(config, devices)):
+        if got is not None and got.pinned_mem_limit.get(device) == want.pinned_mem_limit[device]:
+            continue
         nbytes = config.pinned_mem_limit.get(device)
         control.set_default_device_pinned_mem_limit(device, "0" if nbytes is None else format_size_mps_control(nbytes))
-    control.set_default_client_priority(config.client_priority or 0)
-    left = differences(expected(config, devices), read(control, config, devices))
+    if got is None or got.client_priority != want.client_priority:
+        control.set_default_client_priority(config.client_priority or 0)
+    left = differences(want, read(control, config, devices))
     if left:
         raise ConfigureError(f"defaults restored but the daemon reads back {'; '.join(left)}")

@@ -13,7 +13,6 @@ the count of failures in a row resets once a daemon passes a periodic health che
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import signal
 import threading
@@ -23,11 +22,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import dirs, drift, peer
+from . import dirs, drift, independent, peer
 from .computemode import ComputeMode
 from .config import Config
 from .control import ConfigureError, Control, apply_defaults, limit_early_servers
-from .daemon import DaemonProcess
+from .adoption import AdoptionMixin
+from .daemon import DaemonProcess, quit_daemon
 from .errors import ConfigError, ControlBusy, ControlError, ControlImpostor, ControlTimeout, SetupError
 from .faults import FaultHandler
 from .health import HealthBoard
@@ -50,7 +50,7 @@ def backoff_delay(failures_in_row: int, initial: float, maximum: float) -> float
     return min(maximum, initial * 2 ** max(failures_in_row - 1, 0))
 
 
-class Supervisor:
+class Supervisor(AdoptionMixin):
     def __init__(
         self,
         config: Config,
@@ -77,6 +77,12 @@ class Supervisor:
         self._applied = config  # the config whose defaults the running daemon has
         self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
         self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
+        self._independent = c.daemon_lifecycle == "independent"  # the daemon outlives mpsd (mpsd.independent)
+        if self._independent and v3 is not None:  # the holder and a detached start know only v2's command line
+            raise SetupError("daemonLifecycle independent is not supported with MPS v3 yet: "
+                             "set mps.protocol 2, or daemonLifecycle owned")
+        self._adopting = False  # the first health check of an adopted daemon: its defaults are set, not "restored"
+        self._said = ""  # the last refusal or wait logged: said once, not at every retry
         self._faults = FaultHandler(c.health_timeout, is_client=partial(peer.mps_client_problem, pipe_dir=c.pipe_dir))
         self._verdict_at = time.monotonic()  # the last conclusive health check (or start)
         self._compute = ComputeMode(
@@ -132,9 +138,11 @@ class Supervisor:
                 self._dispatch(event)
         finally:
             self.loop_alive.clear()
-            if self._daemon is not None and self._daemon.alive():  # left by an unexpected error
+            if self._independent and self._daemon is not None:  # mpsd's own failure leaves it running
+                self._daemon.release()
+            elif self._daemon is not None and self._daemon.alive():  # left by an unexpected error
                 self._daemon.kill()
-            if self.config.exclusive_process:
+            if self.config.exclusive_process and not self._independent:  # the mode belongs with the daemon
                 self._compute.restore()
 
     def _dispatch(self, event: tuple) -> None:
@@ -163,16 +171,26 @@ class Supervisor:
 
     def _start(self, first: bool) -> None:
         status = self.status()
-        self._publish(state="starting", restarts=status.restarts + (0 if first else 1))
+        counted = 0 if first else 1  # independent: only a daemon found or started counts, not a wait
+        self._publish(state="starting", restarts=status.restarts + (0 if self._independent else counted))
         try:
-            dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-            self._daemon = DaemonProcess(self.config, self._exited_cb, **(self.v3.daemon_options() if self.v3 else {}))
-        except SetupError as exc:
-            if first:
+            self._daemon = self._launch()
+        except independent.Waiting as exc:
+            return self._wait(str(exc))
+        except independent.Refused as exc:
+            return self._refused(exc)
+        except (SetupError, ControlError) as exc:  # ControlError: a detached start that did not come up
+            if first and isinstance(exc, SetupError) and not self._independent:
                 raise
             self._failed(f"cannot start the daemon: {exc}")
             return
         self._faults.reset()
+        self._said = ""
+        if self._independent:
+            self._publish(restarts=status.restarts + counted)
+        if isinstance(self._daemon, independent.AdoptedDaemon) and not self._daemon.fresh:
+            return self._adopt(self._daemon)
+        self._adopting = False
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
@@ -199,12 +217,19 @@ class Supervisor:
             self.config.client_priority,
         )
 
-    def _wait_listening(self, daemon: DaemonProcess) -> None:
+    def _launch(self) -> DaemonProcess | independent.AdoptedDaemon:
+        if self._independent:
+            return independent.attach(self.config, self._exited_cb, self._report)
+        dirs.prepare(self.config.pipe_dir, self.config.log_dir)
+        return DaemonProcess(self.config, self._exited_cb, **(self.v3.daemon_options() if self.v3 else {}))
+
+    def _wait_listening(self, daemon: DaemonProcess | independent.AdoptedDaemon) -> None:
         deadline = time.monotonic() + self.config.health_timeout
         control = self.control()
         while True:
             if not daemon.alive():
-                raise ControlError(f"control daemon exited at start with status {daemon.proc.poll()}{daemon.said()}")
+                said = daemon.said() if isinstance(daemon, DaemonProcess) else ""
+                raise ControlError(f"control daemon exited at start with status {daemon.exit_status()}{said}")
             try:
                 self.v3.ping() if self.v3 is not None else control.get_server_list()
                 return
@@ -215,26 +240,29 @@ class Supervisor:
                     raise ControlError(f"control daemon not listening after {self.config.health_timeout:g}s") from None
                 time.sleep(READY_POLL)
 
-    def _exited_cb(self, daemon: DaemonProcess, returncode: int) -> None:
+    def _exited_cb(self, daemon, returncode: int | None) -> None:
         self._events.put(("exited", daemon, returncode))
 
-    def _on_exited(self, daemon: DaemonProcess, returncode: int) -> None:
+    def _on_exited(self, daemon, returncode: int | None) -> None:
         if daemon is not self._daemon:
             return  # one we already retired
         self._daemon = None
         daemon.kill()  # its servers, if any are left
+        daemon.release()
+        status = "" if returncode is None else f" (status {returncode})"  # None: not mpsd's child
         if daemon.retired_because:  # killed by us: the reason stays what /readyz says until the restart
-            self._failed(f"{daemon.retired_because}; killed (status {returncode})")
+            self._failed(f"{daemon.retired_because}; killed{status}")
         else:
-            self._failed(f"daemon pid={daemon.pid} exited with status {returncode}")
+            self._failed(f"daemon pid={daemon.pid} exited" + (f" with status {returncode}" if status else ""))
 
-    def _failed(self, message: str) -> None:
+    def _failed(self, message: str, quiet: bool = False) -> None:
         failures = self.status().failures_in_row + 1
         delay = backoff_delay(failures, self.config.restart_backoff_initial, self.config.restart_backoff_max)
         if failures >= 3:
             message = f"{message}; crash loop: {failures} failures in a row, next start in {delay:.1f}s"
-            log.error("%s", message)
-        else:
+            if not quiet:
+                log.error("%s", message)
+        elif not quiet:
             log.warning("%s; restarting in %.1fs", message, delay)
         self.board.update(daemon_up=False, configured=False, last_error=message, unverified="")
         self._publish(
@@ -294,7 +322,7 @@ class Supervisor:
         if action:
             error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
-        self.board.update(faulted_gpus=gpus, last_error=error, unverified="")
+        self.board.update(daemon_up=True, configured=True, faulted_gpus=gpus, last_error=error, unverified="")
         self._publish(
             verdict_age=0.0,
             fault_terminations=dict(self._faults.counts),
@@ -329,20 +357,25 @@ class Supervisor:
     def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str | None:
         """Put back defaults changed through ``control``: "" when done (or none), None if retired."""
         changed = drift.differences(drift.expected(self._applied, devices), got)
+        adopting, self._adopting = self._adopting, False
         if not changed:
             return ""
         try:
-            drift.restore(self.control(), self._applied, devices)
+            drift.restore(self.control(), self._applied, devices, got)
         except ControlBusy as exc:
+            self._adopting = adopting
             return f"daemon defaults changed ({'; '.join(changed)}), not restored yet: {exc}"
         except (ControlError, ConfigureError) as exc:
             self._retire(self._daemon, f"restoring changed defaults failed: {exc}")  # type: ignore[arg-type]
             return None
+        if adopting:  # another config, or a daemon its holder restarted: not tampering
+            log.info("adopted daemon's defaults set to the config's (it had %s)", "; ".join(changed))
+            return ""
         log.error("daemon defaults changed behind mpsd (%s): restored to the config's", "; ".join(changed))
         self._publish(defaults_restored=self.status().defaults_restored + 1)
         return ""
 
-    def _retire(self, daemon: DaemonProcess, message: str) -> None:
+    def _retire(self, daemon: DaemonProcess | independent.AdoptedDaemon, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
         log.error("%s: killing it", message)
         daemon.retired_because = message
@@ -400,22 +433,23 @@ class Supervisor:
     def _shutdown(self) -> None:
         self._publish(state="stopping")
         daemon, self._daemon = self._daemon, None
-        if daemon is not None and daemon.alive():
-            limit = self.config.shutdown_timeout
-            started = time.monotonic()
-            try:
-                if self.v3 is not None:
-                    self.v3.quit(wait=limit)
-                else:
-                    self.control().quit(timeout_s=max(1, math.ceil(limit)), wait=limit)
-            except ControlError as exc:
-                log.warning("quit failed pid=%d error=%s", daemon.pid, exc)
-            remaining = max(0.0, limit - (time.monotonic() - started))
-            if not daemon.wait(remaining):
-                log.warning("daemon pid=%d still running after %gs: killing it", daemon.pid, limit)
-            daemon.kill()  # also servers left in its session
-            daemon.wait(5.0)
-            log.info("daemon stopped pid=%d status=%s", daemon.pid, daemon.proc.returncode)
+        if daemon is not None and self._independent:
+            daemon.release()
+            log.info("left the control daemon pid=%d running (daemonLifecycle: independent); "
+                     "mpsd stop-daemon stops it", daemon.pid)  # fmt: skip
+        elif daemon is not None and daemon.alive():
+            quitter = _V3Quit(self.v3) if self.v3 is not None else self.control()
+            how = quit_daemon(quitter, daemon, self.config.shutdown_timeout)
+            log.info("daemon stopped pid=%d status=%s: %s", daemon.pid, daemon.exit_status(), how)
         self.board.update(daemon_up=False, configured=False)
         self._publish(state="stopped", pid=None)
 
+
+class _V3Quit:
+    """quit_daemon's ``control.quit(timeout_s=, wait=)`` for an MPS v3 daemon (``-q``)."""
+
+    def __init__(self, v3: "V3Supervision") -> None:
+        self.v3 = v3
+
+    def quit(self, timeout_s: int, wait: float) -> None:
+        self.v3.quit(wait=wait)
