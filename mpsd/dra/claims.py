@@ -65,9 +65,18 @@ class ClaimRef:
         return f"{self.namespace}/{self.name}"
 
 
+def base_request(name: str) -> str:
+    """The request a result belongs to, as a container names it: ``gpu`` for ``gpu/large`` (a
+    subrequest of a ``firstAvailable`` list), ``gpu`` for ``gpu``. The kubelet matches a
+    container's ``resources.claims[].request`` literally against the response's request names
+    (the DRA helper's resourceclaim.BaseRequestRef does the same cut)."""
+    return name.split("/", 1)[0]
+
+
 @dataclass(frozen=True)
 class Result:
-    """One allocated device of this driver, as the response to the kubelet names it."""
+    """One allocated device of this driver, as the response to the kubelet names it: ``request``
+    is the base request (:func:`base_request`)."""
 
     request: str
     pool: str
@@ -263,7 +272,7 @@ def plan_claim(
         if r.get("pool") != pool:
             raise DraError(f"{where}: pool {short(r.get('pool'))} is not this node's pool {pool!r}")
         takes.append(_take(r, by_index, slices_per_gpu, where))
-        names.append(Result(str(r.get("request") or ""), pool, str(r["device"])))
+        names.append(Result(base_request(str(r.get("request") or "")), pool, str(r["device"])))
     if len(set(names)) != len(names):
         raise DraError(f"claim {ref}: a device is allocated twice for one request")
     priority = client_config(_get(allocation, "devices", "config"), driver, ref)

@@ -32,6 +32,7 @@ from mpsd.plugin.state import StateStore
 from ..inventory.conftest import fake_nvml_lib, nvml_config  # noqa: F401 (fixtures: the fake NVML)
 from ..plugin.conftest import GIB, gpus  # noqa: F401  (the same fake GPUs as the device plugin's tests)
 from .apiserver import apiserver, kubeconfig  # noqa: F401 (fixtures: the stand-in API server and a KUBECONFIG for it)
+from .apiserver import validate
 
 DRIVER = "gpu.mpsd.io"
 NODE = "node-a"
@@ -39,14 +40,17 @@ KUBELET_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")  # what a 1.34 kubelet 
 
 
 def claim(uid="uid-1", name="c1", namespace="ns", node=NODE, results=None, config=None, pods=("pod-a",)):
-    """A ResourceClaim (resource.k8s.io/v1) as the API server returns it, allocated on ``node``."""
+    """A ResourceClaim (resource.k8s.io/v1) as the API server returns it, allocated on ``node``.
+    Its spec has the requests its results name: ``gpu`` an ``exactly`` request, ``gpu/large`` a
+    subrequest of the ``firstAvailable`` list of request ``gpu`` (a prioritized list: the
+    scheduler records which alternative it picked as ``<request>/<subrequest>``)."""
     if results is None:
         results = [result()]
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": namespace, "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.mpsd.io"}}]}},
+        "spec": {"devices": {"requests": spec_requests(str(r.get("request")) for r in results)}},
         "status": {
             "allocation": {
                 "devices": {"results": results, "config": config or []},
@@ -56,6 +60,20 @@ def claim(uid="uid-1", name="c1", namespace="ns", node=NODE, results=None, confi
             "reservedFor": [{"resource": "pods", "name": p, "uid": f"pod-uid-{p}"} for p in pods],
         },
     }
+
+
+def spec_requests(names) -> list[dict]:
+    """The requests of a claim spec whose results name ``names``, in their first order."""
+    requests: dict[str, dict] = {}
+    for name in names:
+        main, _, sub = name.partition("/")
+        if not sub:
+            requests.setdefault(main, {"name": main, "exactly": {"deviceClassName": DRIVER}})
+            continue
+        request = requests.setdefault(main, {"name": main, "firstAvailable": []})
+        if {"name": sub, "deviceClassName": DRIVER} not in request["firstAvailable"]:
+            request["firstAvailable"].append({"name": sub, "deviceClassName": DRIVER})
+    return list(requests.values())
 
 
 def result(device="gpu-0", request="gpu", memory="8Gi", compute=None, driver=DRIVER, pool=NODE):
@@ -78,7 +96,12 @@ class Claims:
         self.calls = 0
         self.error: Exception | None = None
 
-    def put(self, c: dict) -> dict:
+    def put(self, c: dict, valid: bool = True) -> dict:
+        """``c`` as the API server would hold it: validated strictly (schema and rules), unless
+        ``valid`` is False (a test of what mpsd does with an object the API server would refuse)."""
+        if valid:
+            errors = validate(c)
+            assert not errors, f"the API server would refuse this claim: {errors}"
         self.items[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
         return c
 
@@ -179,6 +202,17 @@ class StandInKubelet:
         req = self.pb2.NodePrepareResourcesRequest(
             claims=[self.pb2.Claim(namespace=n, name=c, uid=u) for n, c, u in claims])
         return self.stub.NodePrepareResources(req, timeout=30)
+
+    @staticmethod
+    def container_cdi_ids(entry, request: str = "") -> list[str]:
+        """The CDI device IDs the kubelet hands the runtime for a container that names this claim
+        (``entry``: the claim's NodePrepareResourceResponse) with ``resources.claims[].request``
+        = ``request`` ("" names the whole claim): a device counts when the container names the
+        whole claim, when the device names no request, or when its request_names contain the
+        container's request, matched literally (pkg/kubelet/cm/dra/claiminfo.go,
+        ClaimInfo.cdiDevicesAsList)."""
+        return [i for d in entry.devices if not request or not d.request_names or request in d.request_names
+                for i in d.cdi_device_ids]
 
     def unprepare(self, *claims: tuple[str, str, str]):
         req = self.pb2.NodeUnprepareResourcesRequest(

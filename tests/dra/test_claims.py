@@ -177,3 +177,9 @@ def test_admin_access_is_refused():
     c = claim()
     c["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
     _bad(c, "adminAccess is not supported")
+
+
+@pytest.mark.parametrize("request_ref, base", [("gpu", "gpu"), ("gpu/large", "gpu"), ("a-b/c-d", "a-b")])
+def test_results_name_the_base_request_of_a_subrequest(request_ref, base):
+    p = plan(claim(results=[result(request=request_ref)]))
+    assert [r.request for r in p.results] == [base]

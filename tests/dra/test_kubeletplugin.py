@@ -3,6 +3,7 @@ the same protos: registration, NodePrepareResources, NodeUnprepareResources."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -159,3 +160,23 @@ def test_a_symlinked_cdi_dir_stops_the_start_in_one_line(env):
     with pytest.raises(DraError, match="is a symlink"):
         p.start()
     p.stop()
+
+
+def test_a_subrequest_of_a_prioritized_list_gives_its_container_the_claims_device(env, served):
+    """firstAvailable (prioritized list: beta in 1.34-1.35, GA in 1.36): the scheduler records the
+    alternative it picked as ``gpu/large``. The kubelet matches a container's
+    ``resources.claims[].request`` (``gpu``) literally against the request names of each device,
+    so the answer must name the base request (what the DRA helper's BaseRequestRef returns), or
+    that container starts with no CDI device at all: no MPS limits, no shim, no pipe dir."""
+    start, kubelet = served
+    env.claims.put(claim(results=[result(request="gpu/large", memory="40Gi", compute="50")]))
+    k = kubelet(start())
+    k.register()
+    entry = k.prepare(CLAIM).claims["uid-1"]
+    assert entry.error == ""
+    assert [list(d.request_names) for d in entry.devices] == [["gpu"]]
+    ids = k.container_cdi_ids(entry, "gpu")
+    assert ids and ids == k.container_cdi_ids(entry)  # the container naming request gpu, and the whole claim
+    spec = json.loads((env.cdi_dir / "mpsd.io-claim_uid-1.json").read_text())
+    env_vars = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+    assert env_vars["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40G" and env_vars["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
