@@ -81,6 +81,7 @@ class Result:
     request: str
     pool: str
     device: str
+    share_id: str = ""  # the result's shareID (a device allocated to several claims), "" when none
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,9 @@ def plan_claim(
         if r.get("pool") != pool:
             raise DraError(f"{where}: pool {short(r.get('pool'))} is not this node's pool {pool!r}")
         takes.append(_take(r, by_index, slices_per_gpu, where))
-        names.append(Result(base_request(str(r.get("request") or "")), pool, str(r["device"])))
+        share_id = r.get("shareID")
+        names.append(Result(base_request(str(r.get("request") or "")), pool, str(r["device"]),
+                            share_id if isinstance(share_id, str) else ""))
     if len(set(names)) != len(names):
         raise DraError(f"claim {ref}: a device is allocated twice for one request")
     priority = client_config(_get(allocation, "devices", "config"), driver, ref)

@@ -58,8 +58,11 @@ def _devices(pb2, rec: PreparedClaim) -> list:
     for r in rec.results:
         ids = [] if r.request in seen else [cdi.device_id(rec.uid)]
         seen.add(r.request)
-        devices.append(pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
-                                  device_name=r.device, cdi_device_ids=ids))
+        device = pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
+                            device_name=r.device, cdi_device_ids=ids)
+        if r.share_id and "share_id" in pb2.Device.DESCRIPTOR.fields_by_name:  # v1 only (1.35)
+            device.share_id = r.share_id
+        devices.append(device)
     return devices
 
 

@@ -94,7 +94,8 @@ class PreparedClaim:
             uid=cdi.check_uid(str(data["uid"])),
             namespace=str(data["namespace"]),
             name=str(data["name"]),
-            results=tuple(Result(str(r["request"]), str(r["pool"]), str(r["device"])) for r in data["results"]),
+            results=tuple(Result(str(r["request"]), str(r["pool"]), str(r["device"]), str(r.get("share_id") or ""))
+                          for r in data["results"]),
             gpus=tuple(
                 GpuShare(int(g["ordinal"]), int(g["index"]), str(g["uuid"]), tuple(int(k) for k in g["slices"]),
                          int(g["memory_limit"]))

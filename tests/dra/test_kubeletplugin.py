@@ -180,3 +180,16 @@ def test_a_subrequest_of_a_prioritized_list_gives_its_container_the_claims_devic
     spec = json.loads((env.cdi_dir / "mpsd.io-claim_uid-1.json").read_text())
     env_vars = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
     assert env_vars["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40G" and env_vars["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+def test_the_share_id_of_a_result_is_answered_on_v1(env, served):
+    """A device allocated several times (capacity mode) has a shareID per allocation; 1.35's v1
+    API carries it back (Device.share_id); a result without one leaves the field unset."""
+    start, kubelet = served
+    shared = {**result(memory="4Gi", compute="5"), "shareID": "5d3c0e0a-8a38-4a8e-9c1f-2b7f0b1e9a10"}
+    env.claims.put(claim(results=[shared, result(device="gpu-1", request="b", memory="4Gi", compute="10")]))
+    k = kubelet(start())
+    k.register()
+    devices = k.prepare(CLAIM).claims["uid-1"].devices
+    assert [(d.device_name, d.HasField("share_id"), d.share_id) for d in devices] == [
+        ("gpu-0", True, "5d3c0e0a-8a38-4a8e-9c1f-2b7f0b1e9a10"), ("gpu-1", False, "")]

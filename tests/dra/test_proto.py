@@ -55,6 +55,18 @@ def test_dra_field_numbers(module, version, message, field, number, repeated):
     assert (desc.number, desc.is_repeated) == (number, repeated)
 
 
+def test_v1_devices_carry_the_optional_share_id_of_1_35():
+    """k8s.io/kubelet/pkg/apis/dra/v1/api.proto (1.35): ``optional string share_id = 5`` in Device,
+    the allocation result's shareID of a device that allows several allocations. Wire-compatible:
+    a kubelet that does not know it skips it; field presence tells "none" from ""."""
+    desc = dra_v1_pb2.DESCRIPTOR.message_types_by_name["Device"].fields_by_name["share_id"]
+    assert (desc.number, desc.type, desc.has_presence) == (5, desc.TYPE_STRING, True)
+    assert not dra_v1_pb2.Device().HasField("share_id")
+    device = dra_v1_pb2.Device(device_name="gpu-0", share_id="5d3c0e0a")
+    assert dra_v1beta1_pb2.Device.FromString(device.SerializeToString()).device_name == "gpu-0"
+    assert "share_id" not in dra_v1beta1_pb2.Device.DESCRIPTOR.fields_by_name  # not in v1beta1
+
+
 @pytest.mark.parametrize("module, version", DRA)
 def test_response_claims_are_maps_keyed_by_uid(module, version):
     for message, value in (("NodePrepareResourcesResponse", "NodePrepareResourceResponse"),
