@@ -1,7 +1,10 @@
 """CDI specs for prepared claims: one file per claim in cdiDir (``/var/run/cdi`` by default), kind
-``mpsd.io/claim``, one device named after the claim's UID. The container runtime (containerd,
-CRI-O, podman) reads the file when a container names the device ``mpsd.io/claim=<uid>`` and
-applies its containerEdits.
+``mpsd.io/claim``, one device per request of the claim, named ``<uid>_<request>``. The container
+runtime (containerd, CRI-O, podman) reads the file when a container names the device
+``mpsd.io/claim=<uid>_<request>`` and applies its containerEdits: the request's GPUs, its limits
+and its own region file in the claim's directory. Claims prepared before requests had devices
+of their own have one device named ``<uid>`` (kept as written: a running container's restart
+names it again).
 
 ``claim_spec`` is pure: a prepared claim and the host paths give the spec. ``CdiDir`` writes and
 removes the files: cdiDir must be a real directory (not a symlink) that mpsd can write; every
@@ -27,7 +30,7 @@ import stat
 from typing import Iterable
 
 from ..errors import DraError
-from ..plugin.response import HostPaths, container_env, container_mounts
+from ..plugin.response import CONTAINER_REGION_DIR, HostPaths, container_env, container_mounts
 from ..plugin.slicing import Plan
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,8 @@ FILE_PREFIX = "mpsd.io-claim_"
 MAX_SPEC_BYTES = 1 << 20
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,126}[A-Za-z0-9])?")
+_REQUEST = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+REGION = "region"
 
 
 def check_uid(uid: str) -> str:
@@ -48,9 +53,24 @@ def check_uid(uid: str) -> str:
     return uid
 
 
-def device_id(uid: str) -> str:
-    """The CDI device ID the kubelet hands to the runtime: ``mpsd.io/claim=<uid>``."""
-    return f"{CDI_KIND}={uid}"
+def device_name(uid: str, request: str | None = None) -> str:
+    """The CDI device name of a request of a claim, ``<uid>_<request>`` (request names are DNS
+    labels and UIDs have no ``_``: the name is unambiguous); ``<uid>`` without a request."""
+    name = check_uid(uid) if request is None else f"{check_uid(uid)}_{request}"
+    if request is not None and (_REQUEST.fullmatch(request) is None or _NAME.fullmatch(name) is None):
+        raise DraError(f"bad request name {request[:80]!r} of claim {uid}: expected a DNS label")
+    return name
+
+
+def device_id(uid: str, request: str | None = None) -> str:
+    """The CDI device ID the kubelet hands to the runtime: ``mpsd.io/claim=<uid>_<request>``."""
+    return f"{CDI_KIND}={device_name(uid, request)}"
+
+
+def region_file(request: str | None = None) -> str:
+    """The region file of a request's processes in the claim's directory (mounted at /run/mpsd):
+    ``region-<request>``, one cap per request; ``region`` for a claim's single device."""
+    return REGION if request is None else f"{REGION}-{request}"
 
 
 def spec_file_name(uid: str) -> str:
@@ -74,11 +94,30 @@ def claim_spec(
     client_priority: int | None = None,
     nodes: Iterable[str] = (),
 ) -> dict:
-    """The CDI spec of one prepared claim: every container of the claim gets the same region
-    directory (one cap for all of its processes), the pipe directory read-only, the shim
-    read-only, the MPS limits and the GPU (NVIDIA_VISIBLE_DEVICES, as the device plugin's
-    Allocate gives it, and the device nodes)."""
+    """The CDI spec of a claim with one device (``<uid>``) for all its containers."""
+    return spec([device(device_name(uid), plan, paths, region_dir, client_priority=client_priority, nodes=nodes)])
+
+
+def spec(devices: list[dict]) -> dict:
+    return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
+
+
+def device(
+    name: str,
+    plan: Plan,
+    paths: HostPaths,
+    region_dir: str,
+    *,
+    client_priority: int | None = None,
+    nodes: Iterable[str] = (),
+    region: str = REGION,
+) -> dict:
+    """One CDI device: the containers naming it get the claim's region directory with their own
+    region file ``region`` in it (one cap for all of their processes), the pipe directory
+    read-only, the shim read-only, the MPS limits of ``plan`` and its GPUs (NVIDIA_VISIBLE_DEVICES,
+    as the device plugin's Allocate gives it, and the device nodes)."""
     env = container_env(plan, paths.pipe_dir, client_priority=client_priority)
+    env["MPSSHIM_REGION"] = f"{CONTAINER_REGION_DIR}/{region}"
     mounts = [_mount(m.host_path, m.container_path, read_only=m.read_only)
               for m in container_mounts(plan, paths, region_dir)]  # the device plugin's, as CDI mounts
     edits = {
@@ -88,11 +127,7 @@ def claim_spec(
     node_list = [{"path": n} for n in nodes]
     if node_list:
         edits["deviceNodes"] = node_list
-    return {
-        "cdiVersion": CDI_VERSION,
-        "kind": CDI_KIND,
-        "devices": [{"name": check_uid(uid), "containerEdits": edits}],
-    }
+    return {"name": name, "containerEdits": edits}
 
 
 def _mount(host: str, container: str, *, read_only: bool) -> dict:

@@ -9,6 +9,9 @@ For one claim and this driver and node:
   ``metadata.name`` or ``matchExpressions`` on ``kubernetes.io/hostname``, operator ``In``);
 - the results of this driver (``status.allocation.devices.results[]``) name devices of this
   node's pool: ``gpu-<index>`` (capacity mode) or ``gpu-<index>-slice-<k>`` (slices mode);
+- each request (a subrequest counts as its request) is planned on its own: the containers
+  naming it get its GPUs and limits only (mpsd/dra/cdi.py writes a CDI device per request);
+  the whole claim's plan is what it consumed per GPU;
 - what a result consumed (``consumedCapacity``: ``memory`` in bytes, ``compute`` in percent of
   the SMs) becomes the container's pinned memory limit and active thread percentage. What it
   did not ask for is derived from the other, in proportion to the device: ``memory: 4Gi`` of
@@ -85,12 +88,21 @@ class Result:
 
 
 @dataclass(frozen=True)
+class RequestPlan:
+    """What the containers naming one request of the claim get: its own GPUs and limits."""
+
+    name: str  # the base request
+    plan: Plan
+
+
+@dataclass(frozen=True)
 class ClaimPlan:
     ref: ClaimRef
     results: tuple[Result, ...]
-    plan: Plan  # the limits, as the device plugin computes them for a container
+    plan: Plan  # the whole claim's limits per GPU (its consumption: metrics, status)
     client_priority: int | None
     pods: tuple[str, ...]  # names of the pods in reservedFor
+    requests: tuple[RequestPlan, ...] = ()  # one per request, in the order the results name them
 
 
 def short(value: object, limit: int = 60) -> str:
@@ -280,9 +292,14 @@ def plan_claim(
         raise DraError(f"claim {ref}: a device is allocated twice for one request")
     priority = client_config(_get(allocation, "devices", "config"), driver, ref)
     device_ids = tuple(sorted({f"{n.pool}/{n.device}" for n in names}))
+    requests = []
+    for request in dict.fromkeys(n.request for n in names):
+        mine = [(t, n) for t, n in zip(takes, names, strict=True) if n.request == request]
+        ids = tuple(sorted({f"{n.pool}/{n.device}" for _, n in mine}))
+        requests.append(RequestPlan(request, _plan([t for t, _ in mine], ids, ref)))
     reserved = _get(claim, "status", "reservedFor")
     pods = tuple(
         str(c.get("name")) for c in (reserved if isinstance(reserved, list) else [])
         if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")
     )
-    return ClaimPlan(ref, tuple(names), _plan(takes, device_ids, ref), priority, pods)
+    return ClaimPlan(ref, tuple(names), _plan(takes, device_ids, ref), priority, pods, tuple(requests))

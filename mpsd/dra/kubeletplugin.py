@@ -51,12 +51,14 @@ def registration_socket_name(driver: str) -> str:
 
 
 def _devices(pb2, rec: PreparedClaim) -> list:
-    """One response Device per allocated device; the claim's CDI ID on the first device of each
-    request, so a container naming the claim gets it once per request."""
+    """One response Device per allocated device; the request's CDI ID on its first device, so a
+    container naming the request gets that request's GPUs and limits, and one naming the whole
+    claim gets every request's (a record written before requests had devices of their own has
+    one ID for the claim, on the first device of each request)."""
     seen: set[str] = set()
     devices = []
     for r in rec.results:
-        ids = [] if r.request in seen else [cdi.device_id(rec.uid)]
+        ids = [] if r.request in seen else [cdi.device_id(rec.uid, r.request if rec.requests else None)]
         seen.add(r.request)
         device = pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
                             device_name=r.device, cdi_device_ids=ids)

@@ -48,6 +48,21 @@ def claim_key(uid: str) -> str:
 
 
 @dataclass(frozen=True)
+class RequestShare:
+    """One request of a prepared claim: its GPUs (ordinals as its containers see them), its
+    thread percentage; its CDI device is ``<uid>_<name>``, its region file ``region-<name>``."""
+
+    name: str
+    gpus: tuple[GpuShare, ...]
+    active_thread_percentage: float
+
+
+def _shares(items) -> tuple[GpuShare, ...]:
+    return tuple(GpuShare(int(g["ordinal"]), int(g["index"]), str(g["uuid"]), tuple(int(k) for k in g["slices"]),
+                          int(g["memory_limit"])) for g in items)
+
+
+@dataclass(frozen=True)
 class PreparedClaim:
     uid: str
     namespace: str
@@ -61,6 +76,7 @@ class PreparedClaim:
     phase: str
     created: float
     pods: tuple[str, ...] = ()
+    requests: tuple[RequestShare, ...] = ()  # empty: prepared with one CDI device for the whole claim
 
     @property
     def allocation_id(self) -> str:
@@ -81,11 +97,20 @@ class PreparedClaim:
     def memory_limits(self) -> dict[int, int]:
         return self.plan.memory_limits
 
+    def request_plans(self) -> list[tuple[str | None, Plan]]:
+        """(request, what its containers get) per CDI device; (None, the claim's plan) for a claim
+        prepared with one device."""
+        if not self.requests:
+            return [(None, self.plan)]
+        return [(q.name, Plan(tuple(sorted(f"{r.pool}/{r.device}" for r in self.results if r.request == q.name)),
+                              q.gpus, q.active_thread_percentage)) for q in self.requests]
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["results"] = [asdict(r) for r in self.results]
         data["gpus"] = [asdict(g) for g in self.gpus]
         data["pods"] = list(self.pods)
+        data["requests"] = [{**asdict(q), "gpus": [asdict(g) for g in q.gpus]} for q in self.requests]
         return data
 
     @classmethod
@@ -96,11 +121,7 @@ class PreparedClaim:
             name=str(data["name"]),
             results=tuple(Result(str(r["request"]), str(r["pool"]), str(r["device"]), str(r.get("share_id") or ""))
                           for r in data["results"]),
-            gpus=tuple(
-                GpuShare(int(g["ordinal"]), int(g["index"]), str(g["uuid"]), tuple(int(k) for k in g["slices"]),
-                         int(g["memory_limit"]))
-                for g in data["gpus"]
-            ),
+            gpus=_shares(data["gpus"]),
             active_thread_percentage=float(data["active_thread_percentage"]),
             client_priority=None if data.get("client_priority") is None else int(data["client_priority"]),
             region_dir=str(data["region_dir"]),
@@ -108,6 +129,8 @@ class PreparedClaim:
             phase=str(data["phase"]),
             created=float(data["created"]),
             pods=tuple(str(p) for p in data.get("pods", ())),
+            requests=tuple(RequestShare(str(q["name"]), _shares(q["gpus"]), float(q["active_thread_percentage"]))
+                           for q in data.get("requests", ())),
         )
 
 
@@ -241,6 +264,7 @@ class Preparer:
             gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
             client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
             phase=PREPARED, created=time.time(), pods=planned.pods,
+            requests=tuple(RequestShare(q.name, q.plan.gpus, q.plan.active_thread_percentage) for q in planned.requests),
         )
         try:
             directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
@@ -340,9 +364,13 @@ class Preparer:
             self._write_spec(rec)
 
     def _spec(self, rec: PreparedClaim) -> dict:
-        nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)
-        return cdi.claim_spec(rec.uid, rec.plan, self.paths, rec.region_dir, client_priority=rec.client_priority,
-                              nodes=nodes)
+        """A CDI device per request (one for the whole claim in a record written before that)."""
+        return cdi.spec([
+            cdi.device(cdi.device_name(rec.uid, request), plan, self.paths, rec.region_dir,
+                       client_priority=rec.client_priority, region=cdi.region_file(request),
+                       nodes=cdi.device_nodes([g.index for g in plan.gpus], self.dev_dir))
+            for request, plan in rec.request_plans()
+        ])
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

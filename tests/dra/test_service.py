@@ -105,7 +105,7 @@ def test_a_gpu_that_appears_is_published_and_claims_on_it_are_prepared(apiserver
 def test_a_claim_on_the_api_server_is_prepared_and_unprepared(env, apiserver, running):
     apiserver.put_claim(claim(results=[result(memory="20Gi", compute="25")]))
     entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
-    assert entry.error == "" and list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1"]
+    assert entry.error == "" and list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1_gpu"]
     assert (env.cdi_dir / "mpsd.io-claim_uid-1.json").exists()
     assert os.path.exists(os.path.join(env.paths.shim_host_dir, "libmpsshim.so"))
     assert any(m == "GET" and "/namespaces/ns/resourceclaims/c1" in u for m, u in apiserver.requests)
