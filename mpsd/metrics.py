@@ -196,6 +196,18 @@ class Metrics:
             ["kind", "reason"],
             registry=r,
         )
+        self.dra_device_health = Gauge(
+            "mpsd_dra_device_health",
+            "1 for the health mpsd reports to the kubelet for a DRA device (healthy, unhealthy, unknown)",
+            ["device", "health"],
+            registry=r,
+        )
+        self.dra_health_streams = Gauge(
+            "mpsd_dra_health_streams", "DRA device health streams (NodeWatchResources) open to the kubelet", registry=r
+        )
+        self.dra_health_updates = Counter(
+            "mpsd_dra_health_updates", "Device health lists sent to the kubelet on its streams", registry=r
+        )
         for kind in REGION_KINDS:  # exported from the start, at 0: increase() sees the first refusal
             for reason in REFUSAL_REASONS:
                 self.regions_refused.labels(kind, reason)
@@ -339,6 +351,17 @@ class Metrics:
             self._replace(self.claim_memory, memory)
             self._replace(self.claim_compute, compute)
             self._replace(self.claim_used, used)
+
+    def set_dra_device_health(self, per_device: Mapping[str, str]) -> None:
+        """device name -> "healthy" | "unhealthy" | "unknown"; replaces the last set."""
+        with self._lock:
+            self._replace(self.dra_device_health, {(device, health): 1.0 for device, health in per_device.items()})
+
+    def set_dra_health_streams(self, count: int) -> None:
+        self.dra_health_streams.set(count)
+
+    def dra_health_sent(self) -> None:
+        self.dra_health_updates.inc()
 
     # -- mpsd exec regions ---------------------------------------------------------------
 

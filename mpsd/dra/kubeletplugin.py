@@ -7,7 +7,9 @@
   the socket deregisters the plugin.
 - ``<pluginsDir>/<driver>/dra.sock``: the DRAPlugin service, v1 and v1beta1 (same messages, two
   packages). NodePrepareResources answers every claim of the request: its CDI device, or a
-  one-line error in its entry (the kubelet asks again for those).
+  one-line error in its entry (the kubelet asks again for those). With a health source, the
+  DRAResourceHealth service too, v1 and v1alpha1 (mpsd/dra/devicehealth.py), listed in the
+  registration's supported versions as the kubelet looks for it.
 
 A watchdog serves a socket again when it was deleted or replaced (the kubelet's directories
 may be wiped while mpsd runs).
@@ -27,6 +29,7 @@ from ..errors import DraError, MpsdError, one_line
 from ..plugin.served import ServedSocket
 from . import (
     cdi,
+    devicehealth,
     dra_v1_pb2,
     dra_v1_pb2_grpc,
     dra_v1beta1_pb2,
@@ -104,15 +107,15 @@ def _refs(request) -> dict[str, ClaimRef]:
 
 
 class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
-    def __init__(self, driver: str, endpoint: str) -> None:
-        self.driver, self.endpoint = driver, endpoint
+    def __init__(self, driver: str, endpoint: str, versions: tuple[str, ...] = SUPPORTED_VERSIONS) -> None:
+        self.driver, self.endpoint, self.versions = driver, endpoint, versions
         self.status: tuple[bool, str] | None = None  # the kubelet's last verdict
         self.notified = threading.Event()
         self.on_registered: Callable[[], None] = lambda: None  # e.g. the slice publisher's invalidate
 
     def GetInfo(self, request, context):
         return pluginregistration_pb2.PluginInfo(
-            type=PLUGIN_TYPE, name=self.driver, endpoint=self.endpoint, supported_versions=list(SUPPORTED_VERSIONS)
+            type=PLUGIN_TYPE, name=self.driver, endpoint=self.endpoint, supported_versions=list(self.versions)
         )
 
     def NotifyRegistrationStatus(self, request, context):
@@ -128,14 +131,19 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
 
 class DraPlugin:
     def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0,
-                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0):
+                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0,
+                 health: devicehealth.HealthSource | None = None, health_options: dict | None = None):
+        """``health``: the device health served to the kubelet (DRAResourceHealth v1 and v1alpha1
+        on the DRA socket, listed in the registration) and on /metrics."""
         driver = preparer.driver
-        self.preparer = preparer
+        self.preparer, self.health = preparer, health
+        self._stop = threading.Event()
         self.poll_interval = poll_interval
         self.usage, self.usage_interval = usage, usage_interval  # per-claim metrics, every usage_interval
         self.socket_path = os.path.abspath(os.path.join(plugins_dir, driver, DRA_SOCKET))
         self.registration_path = os.path.abspath(os.path.join(registry_dir, registration_socket_name(driver)))
-        self.registration = RegistrationServicer(driver, self.socket_path)
+        versions = SUPPORTED_VERSIONS + (devicehealth.SERVICES if health is not None else ())
+        self.registration = RegistrationServicer(driver, self.socket_path, versions)
         self._pool = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mpsd-dra-claim")
         v1 = DraServicer(dra_v1_pb2, preparer, self._pool)
         v1beta1 = DraServicer(dra_v1beta1_pb2, preparer, self._pool)
@@ -143,14 +151,16 @@ class DraPlugin:
         def add_dra(server: grpc.Server) -> None:
             dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
             dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+            if health is not None:
+                devicehealth.add_to_server(server, health, preparer.pool, self._stop, **(health_options or {}))
 
         def add_registration(server: grpc.Server) -> None:
             pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
         sockets = dict(what="socket", thread_prefix="mpsd-dra-rpc", error=DraError, dir_mode=0o750)
-        self._dra = ServedSocket(self.socket_path, add_dra, WORKERS + 2, **sockets)
+        streams = devicehealth.MAX_STREAMS if health is not None else 0  # each holds a thread
+        self._dra = ServedSocket(self.socket_path, add_dra, WORKERS + 2 + streams, **sockets)
         self._reg = ServedSocket(self.registration_path, add_registration, 2, **sockets)
-        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -202,6 +212,8 @@ class DraPlugin:
         last = ""
         while not self._stop.wait(self.poll_interval):
             try:
+                if self.health is not None:
+                    self.health.publish_metrics()
                 self.check()
                 last = ""
             except MpsdError as exc:

@@ -38,6 +38,7 @@ from ..plugin.state import StateStore, install_file
 from ..plugin.usage import shim_usage
 from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
+from .devicehealth import HealthSource
 from .kubeletplugin import DraPlugin
 from .prepared import PREPARED, PreparedClaim, Preparer
 from .publisher import SlicePublisher
@@ -73,9 +74,10 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
-          metrics=None, shim_library: str | None = None) -> DraPlugin:
+          metrics=None, shim_library: str | None = None, board: HealthBoard | None = None) -> DraPlugin:
     """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
-    series every 10 s (regions read through ``shim_library``)."""
+    series every 10 s (regions read through ``shim_library``); with ``board``, device health
+    for the kubelet (mpsd/dra/devicehealth.py) from it."""
     dp, dra = config.device_plugin, config.dra
     paths = HostPaths(pipe_dir=pipe_dir, region_dir=dp.region_dir, shim_host_dir=dp.shim_host_dir,
                       ipc_mode=dp.ipc_mode, shm_dir=dp.shm_dir)
@@ -87,7 +89,10 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
     usage = None
     if metrics is not None:
         usage = ClaimUsageReader(preparer.prepared, functools.partial(shim_usage, library=shim_library), metrics)
-    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage)
+    health = None
+    if board is not None:
+        health = HealthSource(board, lambda: preparer.gpus, preparer.prepared, dra.mode, dp.slices_per_gpu, metrics)
+    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage, health=health)
 
 
 def run_dra(
@@ -113,7 +118,7 @@ def run_dra(
     node = node_name()
     try:
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
-                       node=node, metrics=metrics, shim_library=shim_library)
+                       node=node, metrics=metrics, shim_library=shim_library, board=board)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         publisher = SlicePublisher(api, config.dra.driver_name, node, config.dra.mode,

@@ -264,7 +264,7 @@ def _handler(server: StandInAPIServer) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
             server.wait_delay()
-            if server.refuse:
+            if server.refuse or server._stopping.is_set():  # stopped: a kept-alive connection gets nothing either
                 self.close_connection = True
                 return
             if self.headers.get("Authorization") != f"Bearer {server.token}":
