@@ -77,11 +77,12 @@ def spec_file_name(uid: str) -> str:
     return f"{FILE_PREFIX}{check_uid(uid)}.json"
 
 
-def device_nodes(gpu_indices: Iterable[int], dev_dir: str = "/dev") -> list[str]:
-    """The NVIDIA device nodes a client of these GPUs needs, as far as they exist on this host
-    (``/dev/nvidia<index>``: the minor number is taken to be the NVML index, as the driver numbers
-    them by default)."""
-    names = [*CONTROL_NODES, *(f"nvidia{i}" for i in sorted(gpu_indices))]
+def device_nodes(minor_numbers: Iterable[int], dev_dir: str = "/dev") -> list[str]:
+    """The NVIDIA device nodes a client of these GPUs needs, as far as they exist on this host:
+    the control nodes and ``/dev/nvidia<minor>`` per GPU, named by the driver's minor number
+    (NVML's nvmlDeviceGetMinorNumber; not the NVML index, which differs from it when GPUs are
+    hidden or were hot-plugged)."""
+    names = [*CONTROL_NODES, *(f"nvidia{m}" for m in sorted(minor_numbers))]
     return [os.path.join(dev_dir, n) for n in names if os.path.exists(os.path.join(dev_dir, n))]
 
 

@@ -368,9 +368,16 @@ class Preparer:
         return cdi.spec([
             cdi.device(cdi.device_name(rec.uid, request), plan, self.paths, rec.region_dir,
                        client_priority=rec.client_priority, region=cdi.region_file(request),
-                       nodes=cdi.device_nodes([g.index for g in plan.gpus], self.dev_dir))
+                       nodes=cdi.device_nodes(self._minors(plan.gpus), self.dev_dir))
             for request, plan in rec.request_plans()
         ])
+
+    def _minors(self, shares: Sequence[GpuShare]) -> list[int]:
+        """The minor numbers NVML gives these GPUs (by UUID); a GPU it gives none (or no longer
+        lists) gets no /dev/nvidia<N> node from mpsd: a node named by a guess could be another
+        GPU's."""
+        minors = {g.uuid: getattr(g, "minor_number", None) for g in self.gpus}
+        return [m for m in (minors.get(s.uuid) for s in shares) if m is not None]
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

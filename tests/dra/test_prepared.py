@@ -292,3 +292,19 @@ def test_a_claim_recorded_before_requests_had_devices_keeps_its_one_device(env):
 def test_a_request_name_that_cannot_name_a_cdi_device_is_refused(request_name):
     with pytest.raises(DraError, match="bad request name"):
         cdi.device_name("uid-1", request_name)
+
+
+def test_device_nodes_are_named_by_nvmls_minor_number_not_the_index(env):
+    """GPU 0 whose minor number is 3 is /dev/nvidia3: its container must not get /dev/nvidia0
+    (another GPU's node, or none)."""
+    from mpsd.inventory import Gpu
+
+    for name in ("nvidiactl", "nvidia0", "nvidia3"):
+        (env.root / "dev" / name).touch()
+    listed = [Gpu(0, "GPU-00000000-aaaa-bbbb-cccc-000000000000", "Fake H100", 80 * GIB, 0, (9, 0), False, 3)]
+    env.claims.put(claim(results=[result(memory="20Gi")]))
+    p = env.loaded(gpu_list=listed)
+    rec = p.prepare(REF)
+    (device,) = json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"]
+    assert [n["path"] for n in device["containerEdits"]["deviceNodes"]] == [
+        str(env.root / "dev" / "nvidiactl"), str(env.root / "dev" / "nvidia3")]

@@ -19,6 +19,9 @@
  *   fail <function> <nvml_error_code>        that exported function returns that code
  *                                            (nvmlInit* too: init then fails)
  *   nomig <gpu_index>                        nvmlDeviceGetMigMode → NOT_SUPPORTED (pre-Ampere)
+ *   minor <gpu_index> <minor>                nvmlDeviceGetMinorNumber (default: the index; the
+ *                                            driver numbers /dev/nvidia<minor> on its own, so
+ *                                            the two differ on real machines)
  *
  * Errors: FAKE_NVML_CONFIG unset, or its file unreadable → nvmlInit* returns
  * NVML_ERROR_DRIVER_NOT_LOADED (9), as the real library does on a machine without the
@@ -62,6 +65,7 @@ struct nvmlDevice_st {
     int cc_minor;
     unsigned int mig;
     int mig_supported;
+    unsigned int minor;
 };
 typedef struct nvmlDevice_st *nvmlDevice_t;
 
@@ -167,6 +171,7 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         g->cc_minor = (int)cmin;
         g->mig = mig;
         g->mig_supported = 1;
+        g->minor = idx;
         g_ngpus++;
         return NULL;
     }
@@ -211,7 +216,15 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         g_gpus[idx].mig_supported = 0;
         return NULL;
     }
-    return "unknown directive (gpu, proc, compute, driver, fail, nomig)";
+    if (strcmp(w[0], "minor") == 0) {
+        unsigned int idx, minor;
+        if (n != 3 || parse_uint(w[1], &idx) != 0 || idx >= g_ngpus || parse_uint(w[2], &minor) != 0 ||
+            minor > 255)
+            return "minor needs the index of a gpu defined above and a minor number 0..255";
+        g_gpus[idx].minor = minor;
+        return NULL;
+    }
+    return "unknown directive (gpu, proc, compute, driver, fail, nomig, minor)";
 }
 
 /* Reads the file into the tables; called with g_lock held. */
@@ -534,6 +547,19 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t handle, unsigned int 
         return NVML_ERROR_NOT_SUPPORTED;
     *current = d->mig;
     *pending = d->mig;
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t handle, unsigned int *minor);
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t handle, unsigned int *minor)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t rc = enter(__func__);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((d = device(handle)) == NULL || minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minor = d->minor;
     return NVML_SUCCESS;
 }
 
