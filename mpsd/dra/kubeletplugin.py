@@ -38,6 +38,7 @@ from . import (
     pluginregistration_pb2_grpc,
 )
 from .claims import ClaimRef
+from .devices import parse_device_name
 from .claimusage import ClaimUsageReader
 from .prepared import PreparedClaim, Preparer
 
@@ -53,22 +54,36 @@ def registration_socket_name(driver: str) -> str:
     return f"{driver}-reg.sock"
 
 
-def _devices(pb2, rec: PreparedClaim) -> list:
+def _devices(pb2, rec: PreparedClaim, nvidia: dict[int, str] | None = None) -> list:
     """One response Device per allocated device; the request's CDI ID on its first device, so a
     container naming the request gets that request's GPUs and limits, and one naming the whole
     claim gets every request's (a record written before requests had devices of their own has
-    one ID for the claim, on the first device of each request)."""
+    one ID for the claim, on the first device of each request). ``nvidia``: GPU index -> the
+    ID of NVIDIA's own CDI device for it (mpsd/dra/nvidiacdi.py), given on the first device of
+    each request on that GPU."""
     seen: set[str] = set()
+    given: set[tuple[str, int]] = set()
     devices = []
     for r in rec.results:
         ids = [] if r.request in seen else [cdi.device_id(rec.uid, r.request if rec.requests else None)]
         seen.add(r.request)
+        index = _gpu_index(r.device)
+        if nvidia and index in nvidia and (r.request, index) not in given:
+            given.add((r.request, index))
+            ids.append(nvidia[index])
         device = pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
                             device_name=r.device, cdi_device_ids=ids)
         if r.share_id and "share_id" in pb2.Device.DESCRIPTOR.fields_by_name:  # v1 only (1.35)
             device.share_id = r.share_id
         devices.append(device)
     return devices
+
+
+def _gpu_index(device: str) -> int | None:
+    try:
+        return parse_device_name(device)[0]
+    except ValueError:
+        return None
 
 
 class DraServicer:
@@ -88,7 +103,7 @@ class DraServicer:
                 log.error("NodePrepareResources claim=%s error=%s", refs[uid], outcome)
                 response.claims[uid].error = outcome
             else:
-                response.claims[uid].devices.extend(_devices(self.pb2, outcome))
+                response.claims[uid].devices.extend(_devices(self.pb2, outcome, self.preparer.nvidia_ids(outcome)))
         return response
 
     def NodeUnprepareResources(self, request, context):

@@ -36,6 +36,7 @@ from ..plugin.state import StateStore
 from ..trees import remove_tree
 from . import cdi
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
+from .nvidiacdi import NvidiaSpecs
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,9 @@ class Preparer:
         store: StateStore,
         get_claim: GetClaim,
         dev_dir: str = "/dev",
+        nvidia: NvidiaSpecs | None = None,
     ) -> None:
+        """``nvidia``: NVIDIA's CDI specs on the node, whose device IDs are answered beside mpsd's."""
         self.driver, self.node, self.pool = driver, node, pool
         self.gpus = list(gpus)
         self.slices_per_gpu = slices_per_gpu
@@ -157,6 +160,7 @@ class Preparer:
         self.store = store
         self.get_claim = get_claim
         self.dev_dir = dev_dir
+        self.nvidia = nvidia
         self.lock = threading.Lock()  # one claim changes at a time; the API server is asked outside it
         self.step: Callable[[str], None] = lambda name: None  # fault injection in tests: called at each step
 
@@ -331,6 +335,10 @@ class Preparer:
         for rec in gone:
             log.info("claim unprepared claim=%s uid=%s", rec.ref, rec.uid)
         return outcomes
+
+    def nvidia_ids(self, rec: PreparedClaim) -> dict[int, str]:
+        """GPU index -> NVIDIA's CDI device ID for the claim's GPUs that NVIDIA's specs name."""
+        return self.nvidia.ids((g.uuid, g.index) for g in rec.gpus) if self.nvidia is not None else {}
 
     def prepared(self) -> list[PreparedClaim]:
         return [r for r in self.store.all() if r.phase == PREPARED]

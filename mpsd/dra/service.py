@@ -39,6 +39,8 @@ from ..plugin.usage import shim_usage
 from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
 from .devicehealth import HealthSource
+from .nvidiacdi import DEFAULT_DIRS as DEFAULT_CDI_DIRS
+from .nvidiacdi import NvidiaSpecs
 from .kubeletplugin import DraPlugin
 from .prepared import PREPARED, PreparedClaim, Preparer
 from .publisher import SlicePublisher
@@ -73,6 +75,11 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get("NODE_NAME") or socket.gethostname()
 
 
+def nvidia_cdi_dirs(cdi_dir: str) -> tuple[str, ...]:
+    """Where NVIDIA's CDI specs may be: the runtimes' two default directories and cdiDir."""
+    return tuple(dict.fromkeys((*DEFAULT_CDI_DIRS, cdi_dir)))
+
+
 def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
           metrics=None, shim_library: str | None = None, board: HealthBoard | None = None) -> DraPlugin:
     """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
@@ -84,7 +91,7 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
     preparer = Preparer(
         driver=dra.driver_name, node=node, pool=node, gpus=gpus, slices_per_gpu=dp.slices_per_gpu, paths=paths,
         cdi_dir=CdiDir(dra.cdi_dir), store=StateStore(os.path.join(state_dir, STATE_FILE), record=PreparedClaim),
-        get_claim=get_claim,
+        get_claim=get_claim, nvidia=NvidiaSpecs(nvidia_cdi_dirs(dra.cdi_dir)),
     )
     usage = None
     if metrics is not None:
