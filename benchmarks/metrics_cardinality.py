@@ -60,6 +60,7 @@ def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processe
         RegionUsage(f"region-{tag}-{r}", 0, 4 * G, G, tuple((pid, G) for pid in pids[r])) for r in range(regions)
     )
     m.set_claims(ClaimUsage(f"claim-{tag}-{i}", "ns", f"pod-{tag}-{i}", i % gpus, 4 * G, 25.0, G) for i in range(claims))
+    m.set_dra_device_health({f"gpu-{g}": "healthy" for g in range(gpus)} if claims else {})  # a DRA node's devices
 
 
 def series_count(m: Metrics) -> int:

@@ -221,3 +221,28 @@ def test_the_config_loads_with_mpsd_config(tmp_path: Path) -> None:
     assert (dra.enabled, dra.driver_name, dra.mode) == (raw["enabled"], raw["driverName"], raw["mode"])
     assert (dra.plugins_dir, dra.registry_dir, dra.cdi_dir) == (raw["pluginsDir"], raw["registryDir"], raw["cdiDir"])
     assert cfg.device_plugin.enabled is False
+
+
+def test_the_driver_runs_in_the_selinux_domain_of_the_reference_drivers_and_no_more() -> None:
+    """The kubelet plugin writes sockets under /var/lib/kubelet/plugins{,_registry} and specs in
+    /var/run/cdi: on an SELinux-enforcing node the default container_t domain may not. The
+    reference drivers (kubernetes-sigs/dra-example-driver, NVIDIA/k8s-dra-driver-gpu) run their
+    plugin container privileged, which runs it as spc_t; mpsd takes that domain alone and keeps
+    the base's restrictions: not privileged, no privilege escalation, all capabilities dropped
+    but the base's six (docs/security.md, "Privileges of the DRA driver")."""
+    base = next(c for c in one(rendered("deploy/base"), "DaemonSet", "mpsd")["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "mpsd")["securityContext"]
+    ours = mpsd_container()["securityContext"]
+    assert ours["seLinuxOptions"] == {"type": "spc_t"}
+    assert {k: v for k, v in ours.items() if k != "seLinuxOptions"} == base
+    assert ours["privileged"] is False and ours["allowPrivilegeEscalation"] is False
+    assert ours["capabilities"]["drop"] == ["ALL"]
+
+
+def test_nvidias_cdi_specs_are_readable_and_only_readable() -> None:
+    """NVIDIA's specs (nvidia-ctk cdi generate writes /etc/cdi/nvidia.yaml) are read to answer their
+    device IDs beside mpsd's (mpsd/dra/nvidiacdi.py); mpsd writes only in cdiDir."""
+    volumes = {v["name"]: v for v in ds_spec()["volumes"]}
+    (etc,) = [m for m in mpsd_container()["volumeMounts"] if m["mountPath"] == "/etc/cdi"]
+    assert etc.get("readOnly") is True and volumes[etc["name"]]["hostPath"]["path"] == "/etc/cdi"
+    assert mounts()["/var/run/cdi"] == config()["dra"]["cdiDir"] == "/var/run/cdi"
