@@ -191,7 +191,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
     plugin = _start_plugin(config, board, metrics, gpus, stop_plugin) if config.device_plugin.enabled else None
-    dra = _start_dra(config, board, metrics, gpus, stop_plugin) if config.dra.enabled else None
+    version = inventory.driver_version if inventory is not None else None  # driverVersion of the slices
+    dra = _start_dra(config, board, metrics, gpus, stop_plugin, version) if config.dra.enabled else None
     try:
         return supervisor.run()
     finally:
@@ -259,13 +260,15 @@ def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: t
     return _start_service("device plugin", load, config, board, metrics, gpus, stop)
 
 
-def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event) -> PluginRun:
+def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event,
+               driver_version: Callable[[], str] | None = None) -> PluginRun:
     def load():
         from .dra.service import run_dra
 
         return run_dra
 
-    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus)
+    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus,
+                          driver_version=driver_version)
 
 
 def _start_service(

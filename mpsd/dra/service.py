@@ -114,8 +114,10 @@ def run_dra(
     state_dir: str | None = None,
     api=None,
     gpu_lister: Callable[[], Sequence[GpuLike]] | None = None,
+    driver_version: Callable[[], str] | None = None,
 ) -> None:
-    """Serve the DRA plugin until ``stop`` is set (see the module docstring)."""
+    """Serve the DRA plugin until ``stop`` is set (see the module docstring). ``driver_version``:
+    NVIDIA's driver version as NVML reports it (published as the driverVersion attribute)."""
     state_dir = state_dir or config.state_dir
     own_api = api is None
     if own_api:
@@ -133,7 +135,7 @@ def run_dra(
         plugin.registration.on_registered = publisher.invalidate  # the kubelet wipes slices at its start
         try:
             plugin.start()
-            publish_until(stop, publisher, gpus, gpu_lister, plugin.preparer)
+            publish_until(stop, publisher, gpus, gpu_lister, plugin.preparer, driver_version=driver_version)
         finally:
             plugin.stop()  # deregistered first: no new Prepare while the slices go
             try:
@@ -144,6 +146,17 @@ def run_dra(
     finally:
         if own_api:
             api.close()
+
+
+def _version(driver_version: Callable[[], str] | None) -> str:
+    """The driver version, "" when unknown (the attribute is then left out, as slices.py does)."""
+    if driver_version is None:
+        return ""
+    try:
+        return driver_version()
+    except MpsdError as exc:
+        log.warning("driver version unknown, driverVersion not published error=%s", exc)
+        return ""
 
 
 def _node_uid(api, node: str) -> str | None:
@@ -157,7 +170,7 @@ def _node_uid(api, node: str) -> str | None:
 
 def publish_until(stop: threading.Event, publisher: SlicePublisher, gpus: Sequence[GpuLike],
                   gpu_lister: Callable[[], Sequence[GpuLike]] | None = None, preparer: Preparer | None = None,
-                  interval: float = PUBLISH_INTERVAL) -> None:
+                  interval: float = PUBLISH_INTERVAL, driver_version: Callable[[], str] | None = None) -> None:
     """Keep the node's ResourceSlices equal to the GPUs until ``stop``: at once, then every
     ``interval`` (publish makes no API call while nothing changed, and checks the server at its
     resync interval or after a registration); an API failure is logged once and retried. With
@@ -173,7 +186,7 @@ def publish_until(stop: threading.Event, publisher: SlicePublisher, gpus: Sequen
             if preparer is not None:
                 preparer.gpus = listed
         try:
-            publisher.publish(gpus)
+            publisher.publish(gpus, _version(driver_version))
             last = ""
         except (MpsdError, ValueError) as exc:
             if str(exc) != last:

@@ -191,3 +191,28 @@ def test_the_kubelet_sees_the_boards_health_and_a_gpu_nvml_lost(apiserver, runni
     running.gpus = list(GPUS)  # NVML lists GPU 0 only
     assert watch.wait(lambda w: w.health(NODE, "gpu-1") == ("unhealthy", f"NVML no longer lists GPU 1 ({GPU1.uuid})"))
     assert watch.health(NODE, "gpu-0") == ("healthy", "")
+
+
+def test_the_driver_version_nvml_reports_is_published(env, apiserver, kubeconfig, monkeypatch, tmp_path):
+    """docs/dra.md lists a driverVersion attribute (NVIDIA's 580.95.05 as semver 580.95.5): run_dra
+    publishes what NVML reports."""
+    monkeypatch.setenv("NODE_NAME", NODE)
+    library = tmp_path / "libmpsshim.so"
+    library.write_bytes(b"\x7fELF")
+    config = cfg.load(None, {}, {
+        "dra": "true", "dra-plugins-dir": str(env.plugins_dir), "dra-registry-dir": str(env.registry_dir),
+        "dra-cdi-dir": str(env.cdi_dir), "region-dir": env.paths.region_dir, "shim-host-dir": env.paths.shim_host_dir,
+        "state-dir": str(env.root / "state"),
+    })
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run_dra, args=(config,), kwargs=dict(
+        pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=HealthBoard(), metrics=None, shim_library=str(library),
+        stop=stop, driver_version=lambda: "580.95.05"))
+    thread.start()
+    try:
+        assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
+        (slice_,) = apiserver.pool_slices("gpu.mpsd.io", NODE)
+        assert slice_["spec"]["devices"][0]["attributes"]["driverVersion"] == {"version": "580.95.5"}
+    finally:
+        stop.set()
+        thread.join(30)
