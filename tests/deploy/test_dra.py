@@ -160,7 +160,13 @@ def test_the_examples_the_issue_asks_for_are_there() -> None:
     assert len([n for n, o in example_objects() if n == "two-deployments.yaml" and o["kind"] == "Deployment"]) == 2
 
 
-@pytest.mark.parametrize("template", sorted(claim_templates()))
+def capacity_templates() -> list[str]:
+    """The templates for capacity mode: they ask for amounts (capacity.requests)."""
+    return sorted(n for n, t in claim_templates().items()
+                  if any("capacity" in r["exactly"] for r in t["spec"]["spec"]["devices"]["requests"]))
+
+
+@pytest.mark.parametrize("template", capacity_templates())
 def test_claims_ask_the_driver_for_what_its_request_policy_accepts(template: str) -> None:
     device_class = one(rendered(DRA), "DeviceClass")["metadata"]["name"]
     for request in claim_templates()[template]["spec"]["spec"]["devices"]["requests"]:
@@ -246,3 +252,21 @@ def test_nvidias_cdi_specs_are_readable_and_only_readable() -> None:
     (etc,) = [m for m in mpsd_container()["volumeMounts"] if m["mountPath"] == "/etc/cdi"]
     assert etc.get("readOnly") is True and volumes[etc["name"]]["hostPath"]["path"] == "/etc/cdi"
     assert mounts()["/var/run/cdi"] == config()["dra"]["cdiDir"] == "/var/run/cdi"
+
+
+def test_the_slices_mode_example_selects_by_size_without_the_gate() -> None:
+    """Without DRAConsumableCapacity (1.34 and 1.35 by default) the API server drops a request's
+    ``capacity`` (it is gated), so in slices mode ``capacity.requests`` filters nothing and any
+    slice would do. A CEL selector on the slice's capacity is not gated: the slices example picks
+    by size with one, naming the driver's capacities, and asks for no capacity."""
+    (template,) = [t for n, t in claim_templates().items() if n not in capacity_templates()]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    exactly = request["exactly"]
+    assert "capacity" not in exactly and exactly.get("count", 1) >= 1
+    expressions = [s["cel"]["expression"] for s in exactly["selectors"]]
+    domain = devices.DEFAULT_DRIVER_NAME
+    assert any(f'device.capacity["{domain}"].{devices.MEMORY}.compareTo(quantity(' in e for e in expressions)
+    text = (EXAMPLES / "slices-claim-template.yaml").read_text()
+    assert "DRAConsumableCapacity" in text and "dra.mode: slices" in text
+    doc = (REPO / "docs/dra.md").read_text()
+    assert "drops" in doc and "slices-claim-template.yaml" in doc
