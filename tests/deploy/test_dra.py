@@ -270,3 +270,13 @@ def test_the_slices_mode_example_selects_by_size_without_the_gate() -> None:
     assert "DRAConsumableCapacity" in text and "dra.mode: slices" in text
     doc = (REPO / "docs/dra.md").read_text()
     assert "drops" in doc and "slices-claim-template.yaml" in doc
+
+
+def test_what_the_node_needs_for_the_driver_libraries_is_shipped() -> None:
+    """mpsd's CDI spec has no driver libraries: docs/dra.md names the two ways a node provides
+    them (NVIDIA's CDI specs, or the NVIDIA runtime with the RuntimeClass shipped here)."""
+    (rc,) = [o for _, o in example_objects() if o["kind"] == "RuntimeClass"]
+    assert (rc["metadata"]["name"], rc["handler"]) == ("nvidia", "nvidia")
+    doc = (REPO / "docs/dra.md").read_text()
+    assert "nvidia-ctk cdi generate" in doc and "examples/dra/runtimeclass.yaml" in doc
+    assert "runtimeClassName: nvidia" in doc
