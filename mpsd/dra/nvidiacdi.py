@@ -36,6 +36,7 @@ DEFAULT_DIRS = ("/etc/cdi", "/var/run/cdi")
 MAX_SPEC_BYTES = 4 << 20
 _SUFFIXES = (".yaml", ".yml", ".json")
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_OURS = "mpsd.io-"  # mpsd's own claim specs in cdiDir (mpsd/dra/cdi.py FILE_PREFIX): never NVIDIA's
 
 
 def device_for(names: set[str], uuid: str, index: int) -> str | None:
@@ -93,7 +94,7 @@ class NvidiaSpecs:
                 names = sorted(os.listdir(directory))
             except OSError:
                 continue
-            paths += [os.path.join(directory, n) for n in names if n.endswith(_SUFFIXES)]
+            paths += [os.path.join(directory, n) for n in names if n.endswith(_SUFFIXES) and not n.startswith(_OURS)]
         return paths
 
     def _read(self, path: str) -> tuple[tuple[int, int], set[str]]:

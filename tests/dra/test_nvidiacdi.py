@@ -44,6 +44,7 @@ def test_specs_are_found_in_either_directory_and_others_ignored(tmp_path):
         {"name": "1", "containerEdits": {}}]}))
     (run / "broken.yaml").write_text("kind: [")
     (run / "notes.txt").write_text("kind: nvidia.com/gpu")
+    (run / "mpsd.io-claim_u.json").write_text(json.dumps(nvidia_spec(["5"])))  # mpsd's own: not even read
     specs = NvidiaSpecs([str(etc), str(run), str(tmp_path / "missing")])
     assert specs.names() == {"0", "all"}
     assert specs.ids([(UUID0, 0), ("GPU-other", 1)]) == {0: "nvidia.com/gpu=0"}
