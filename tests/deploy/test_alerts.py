@@ -50,6 +50,8 @@ LOOSENED = [
     ("MpsdExecRegionNearCap", "expr", "> 0.95", "> 0.85"),
     ("MpsdRegionsRefused", "for", "10m", "0m"),
     ("MpsdDeviceUnhealthy", "for", "5m", "0m"),
+    ("MpsdDraDeviceUnhealthy", "for", "5m", "0m"),
+    ("MpsdDraDeviceUnhealthy", "expr", '{health="unhealthy"}', ""),
     ("MpsdMetricsTargetDown", "for", "5m", "0m"),
     ("MpsdMetricsTargetDown", "expr", '{job="mpsd-metrics"}', ""),
     ("MpsdMetricsAbsent", "for", "15m", "0m"),
