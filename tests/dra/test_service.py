@@ -54,11 +54,8 @@ class Running:
         assert not self.reg.exists()  # deregistered on the way out
 
 
-@pytest.fixture
-def running(env, kubeconfig, monkeypatch, tmp_path):
-    monkeypatch.setenv("NODE_NAME", NODE)
-    monkeypatch.setattr(service, "API_TIMEOUT", 1.0)
-    monkeypatch.setattr(service, "PUBLISH_INTERVAL", 0.1)
+def dra_config(env, tmp_path):
+    """(a stand-in shim library, mpsd's config with the DRA driver on, over ``env``'s directories)."""
     library = tmp_path / "libmpsshim.so"
     library.write_bytes(b"\x7fELF")
     config = cfg.load(None, {}, {
@@ -66,6 +63,15 @@ def running(env, kubeconfig, monkeypatch, tmp_path):
         "dra-cdi-dir": str(env.cdi_dir), "region-dir": env.paths.region_dir, "shim-host-dir": env.paths.shim_host_dir,
         "state-dir": str(env.root / "state"),
     })
+    return library, config
+
+
+@pytest.fixture
+def running(env, kubeconfig, monkeypatch, tmp_path):
+    monkeypatch.setenv("NODE_NAME", NODE)
+    monkeypatch.setattr(service, "API_TIMEOUT", 1.0)
+    monkeypatch.setattr(service, "PUBLISH_INTERVAL", 0.1)
+    library, config = dra_config(env, tmp_path)
     r = Running(env, config, library)
     yield r
     if r.thread.is_alive():
@@ -197,13 +203,7 @@ def test_the_driver_version_nvml_reports_is_published(env, apiserver, kubeconfig
     """docs/dra.md lists a driverVersion attribute (NVIDIA's 580.95.05 as semver 580.95.5): run_dra
     publishes what NVML reports."""
     monkeypatch.setenv("NODE_NAME", NODE)
-    library = tmp_path / "libmpsshim.so"
-    library.write_bytes(b"\x7fELF")
-    config = cfg.load(None, {}, {
-        "dra": "true", "dra-plugins-dir": str(env.plugins_dir), "dra-registry-dir": str(env.registry_dir),
-        "dra-cdi-dir": str(env.cdi_dir), "region-dir": env.paths.region_dir, "shim-host-dir": env.paths.shim_host_dir,
-        "state-dir": str(env.root / "state"),
-    })
+    library, config = dra_config(env, tmp_path)
     stop = threading.Event()
     thread = threading.Thread(target=service.run_dra, args=(config,), kwargs=dict(
         pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=HealthBoard(), metrics=None, shim_library=str(library),
