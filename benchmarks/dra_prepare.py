@@ -8,7 +8,8 @@ claims (each gets a region directory, a CDI spec written atomically and two jour
 fdatasync'd before the answer), then one NodeUnprepareResources of the same claims (spec,
 directory and one journal line each). The API server is not measured: claims come from a dict
 (the stand-in for mpsd/dra/kubeapi.py answers at once). Claims are capacity-mode, 4Gi of an
-80 GiB GPU. Prints p50, p99, mean and max per call in milliseconds. Everything lives in a
+80 GiB GPU; NVIDIA CDI specs are looked up on every answer as mpsd run does (there are none).
+Prints p50, p99, mean and max per call in milliseconds. Everything lives in a
 temporary directory under $TMPDIR (the syncs go to that file system).
 """
 
@@ -32,6 +33,11 @@ from mpsd.dra.cdi import CdiDir  # noqa: E402
 from mpsd.dra.kubeletplugin import DraPlugin  # noqa: E402
 from mpsd.dra.prepared import PreparedClaim, Preparer  # noqa: E402
 from mpsd.inventory import Gpu  # noqa: E402
+
+try:  # NVIDIA's CDI specs looked up on every answer, as mpsd run does (none here); absent before it existed
+    from mpsd.dra.nvidiacdi import NvidiaSpecs  # noqa: E402
+except ImportError:
+    NvidiaSpecs = None
 from mpsd.plugin.response import HostPaths  # noqa: E402
 from mpsd.plugin.state import StateStore  # noqa: E402
 
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             slices_per_gpu=10, paths=paths, cdi_dir=CdiDir(f"{root}/cdi"),
             store=StateStore(f"{root}/state/dra-state.json", record=PreparedClaim),
             get_claim=lambda ns, name: claims[(ns, name)], dev_dir=f"{root}/dev",
+            **({"nvidia": NvidiaSpecs([f"{root}/etc-cdi", f"{root}/cdi"])} if NvidiaSpecs else {}),
         )
         plugin = DraPlugin(preparer, plugins_dir=f"{root}/plugins", registry_dir=f"{root}/registry",
                            **({"instance": args.instance} if args.instance else {}))

@@ -63,6 +63,7 @@ def world(m: Metrics, tag: str, pods: int, regions: int, gpus: int = 2, processe
         ClaimUsage(f"claim-{tag}-{i}", "ns", f"pod-{tag}-{i}", i % gpus, 4 * G, 25.0, G) for i in range(claims)
     )
     m.set_device_taints({0: ("MPSServerFault", "NoSchedule")} if claims else {})  # a DRA node with a tainted GPU
+    m.set_dra_device_health({f"gpu-{g}": "healthy" for g in range(gpus)} if claims else {})  # a DRA node's devices
 
 
 def series_count(m: Metrics) -> int:

@@ -108,7 +108,7 @@ def main() -> int:
     layout = "detached (no holder)" if args.no_holder else "kept by mpsd holder"
     print(f"daemon {layout}; {args.rounds} rounds; mpsd spawn -> /readyz 200:")
     for kind, values in times.items():
-        adoption = [total - start for total, start in zip(values, imports[kind])]
+        adoption = [total - start for total, start in zip(values, imports[kind], strict=True)]
         print(f"  {kind:8} n={len(values)} p50={percentile(values, 50) * 1000:.0f}ms "
               f"p99={percentile(values, 99) * 1000:.0f}ms max={max(values) * 1000:.0f}ms; "
               f"of which interpreter+imports p50={percentile(imports[kind], 50) * 1000:.0f}ms, "

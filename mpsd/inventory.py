@@ -40,6 +40,7 @@ class Gpu:
     memory_used: int  # bytes
     compute_capability: tuple[int, int]
     mig_enabled: bool
+    minor_number: int | None = None  # of /dev/nvidia<minor>; None where NVML cannot tell
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,18 @@ class Inventory:
             memory_used=used,
             compute_capability=(major, minor),
             mig_enabled=self._mig_enabled(index, handle),
+            minor_number=self._minor_number(index, handle),
         )
+
+    @staticmethod
+    def _minor_number(index: int, handle: object) -> int | None:
+        """The driver's minor number of the GPU (its /dev/nvidia<N>; not the NVML index)."""
+        try:
+            return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+        except _UNAVAILABLE:
+            return None
+        except pynvml.NVMLError as e:
+            raise InventoryError(f"NVML nvmlDeviceGetMinorNumber(gpu {index}) failed: {e}") from e
 
     def _memory(self, index: int, handle: object) -> tuple[int, int]:
         """(total, used) bytes: _v2 (used excludes driver-reserved memory), else the v1 call."""

@@ -193,7 +193,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
     plugin = _start_plugin(config, board, metrics, gpus, stop_plugin, backend) if config.device_plugin.enabled else None
-    dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
+    version = inventory.driver_version if inventory is not None else None  # driverVersion of the slices
+    dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend, version) if config.dra.enabled else None
     if v3 is not None:
         v3.start_background()
     try:
@@ -289,13 +290,14 @@ def _start_plugin(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: t
 
 
 def _start_dra(config: cfg.Config, board: HealthBoard, metrics, gpus, stop: threading.Event,
-               backend=None) -> PluginRun:
+               backend=None, driver_version: Callable[[], str] | None = None) -> PluginRun:
     def load():
         from .dra.service import run_dra
 
         return run_dra
 
-    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus, backend=backend)
+    return _start_service("DRA plugin", load, config, board, metrics, gpus, stop, gpu_lister=gpus, backend=backend,
+                          driver_version=driver_version)
 
 
 def _start_service(

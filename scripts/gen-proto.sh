@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
 [ -x "$python" ] || python=python3
 PROTOS=(mpsd/plugin/api.proto mpsd/plugin/podresources.proto
-        mpsd/dra/dra_v1.proto mpsd/dra/dra_v1beta1.proto mpsd/dra/pluginregistration.proto)
+        mpsd/dra/dra_v1.proto mpsd/dra/dra_v1beta1.proto mpsd/dra/pluginregistration.proto
+        mpsd/dra/dra_health_v1.proto mpsd/dra/dra_health_v1alpha1.proto)
 for proto in "${PROTOS[@]}"; do
     "$python" -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. "$proto"
 done

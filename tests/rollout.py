@@ -204,7 +204,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise AssertionError(f"{proc.args[:4]} did not exit in {timeout:g}s after signal {sig}:\n{read(proc)}")
+        raise AssertionError(f"{proc.args[:4]} did not exit in {timeout:g}s after signal {sig}:\n{read(proc)}") from None
 
 
 def alive(pid: int) -> bool:

@@ -1,7 +1,10 @@
 """CDI specs for prepared claims: one file per claim in cdiDir (``/var/run/cdi`` by default), kind
-``mpsd.io/claim``, one device named after the claim's UID. The container runtime (containerd,
-CRI-O, podman) reads the file when a container names the device ``mpsd.io/claim=<uid>`` and
-applies its containerEdits.
+``mpsd.io/claim``, one device per request of the claim, named ``<uid>_<request>``. The container
+runtime (containerd, CRI-O, podman) reads the file when a container names the device
+``mpsd.io/claim=<uid>_<request>`` and applies its containerEdits: the request's GPUs, its limits
+and its own region file in the claim's directory. Claims prepared before requests had devices
+of their own have one device named ``<uid>`` (kept as written: a running container's restart
+names it again).
 
 ``claim_spec`` is pure: a prepared claim and the host paths give the spec. ``CdiDir`` writes and
 removes the files: cdiDir must be a real directory (not a symlink) that mpsd can write; every
@@ -27,7 +30,7 @@ import stat
 from typing import Iterable
 
 from ..errors import DraError
-from ..plugin.response import HostPaths
+from ..plugin.response import CONTAINER_REGION_DIR, HostPaths
 from ..plugin.slicing import Plan
 from ..sharing import Grant, SliceRequest
 from ..sharing.v2 import V2Backend
@@ -40,6 +43,8 @@ FILE_PREFIX = "mpsd.io-claim_"
 MAX_SPEC_BYTES = 1 << 20
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,126}[A-Za-z0-9])?")
+_REQUEST = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+REGION = "region"
 
 
 def check_uid(uid: str) -> str:
@@ -50,20 +55,36 @@ def check_uid(uid: str) -> str:
     return uid
 
 
-def device_id(uid: str) -> str:
-    """The CDI device ID the kubelet hands to the runtime: ``mpsd.io/claim=<uid>``."""
-    return f"{CDI_KIND}={uid}"
+def device_name(uid: str, request: str | None = None) -> str:
+    """The CDI device name of a request of a claim, ``<uid>_<request>`` (request names are DNS
+    labels and UIDs have no ``_``: the name is unambiguous); ``<uid>`` without a request."""
+    name = check_uid(uid) if request is None else f"{check_uid(uid)}_{request}"
+    if request is not None and (_REQUEST.fullmatch(request) is None or _NAME.fullmatch(name) is None):
+        raise DraError(f"bad request name {request[:80]!r} of claim {uid}: expected a DNS label")
+    return name
+
+
+def device_id(uid: str, request: str | None = None) -> str:
+    """The CDI device ID the kubelet hands to the runtime: ``mpsd.io/claim=<uid>_<request>``."""
+    return f"{CDI_KIND}={device_name(uid, request)}"
+
+
+def region_file(request: str | None = None) -> str:
+    """The region file of a request's processes in the claim's directory (mounted at /run/mpsd):
+    ``region-<request>``, one cap per request; ``region`` for a claim's single device."""
+    return REGION if request is None else f"{REGION}-{request}"
 
 
 def spec_file_name(uid: str) -> str:
     return f"{FILE_PREFIX}{check_uid(uid)}.json"
 
 
-def device_nodes(gpu_indices: Iterable[int], dev_dir: str = "/dev") -> list[str]:
-    """The NVIDIA device nodes a client of these GPUs needs, as far as they exist on this host
-    (``/dev/nvidia<index>``: the minor number is taken to be the NVML index, as the driver numbers
-    them by default)."""
-    names = [*CONTROL_NODES, *(f"nvidia{i}" for i in sorted(gpu_indices))]
+def device_nodes(minor_numbers: Iterable[int], dev_dir: str = "/dev") -> list[str]:
+    """The NVIDIA device nodes a client of these GPUs needs, as far as they exist on this host:
+    the control nodes and ``/dev/nvidia<minor>`` per GPU, named by the driver's minor number
+    (NVML's nvmlDeviceGetMinorNumber; not the NVML index, which differs from it when GPUs are
+    hidden or were hot-plugged)."""
+    names = [*CONTROL_NODES, *(f"nvidia{m}" for m in sorted(minor_numbers))]
     return [os.path.join(dev_dir, n) for n in names if os.path.exists(os.path.join(dev_dir, n))]
 
 
@@ -77,14 +98,36 @@ def claim_spec(
     nodes: Iterable[str] = (),
     grant: Grant | None = None,
 ) -> dict:
-    """The CDI spec of one prepared claim: every container of the claim gets the same region
-    directory (one cap for all of its processes), the pipe directory read-only, the shim
-    read-only, the MPS limits and the GPU (NVIDIA_VISIBLE_DEVICES, as the device plugin's
-    Allocate gives it, and the device nodes). ``grant``: the node's sharing backend's edits
-    (mpsd/sharing); without it, MPS v2's."""
+    """The CDI spec of a claim with one device (``<uid>``) for all its containers."""
+    return spec([device(device_name(uid), plan, paths, region_dir, client_priority=client_priority, nodes=nodes,
+                        grant=grant)])
+
+
+def spec(devices: list[dict]) -> dict:
+    return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
+
+
+def device(
+    name: str,
+    plan: Plan,
+    paths: HostPaths,
+    region_dir: str,
+    *,
+    client_priority: int | None = None,
+    nodes: Iterable[str] = (),
+    region: str = REGION,
+    grant: Grant | None = None,
+) -> dict:
+    """One CDI device: what the node's sharing backend gives the slice (``grant``: its
+    environment and mounts, mpsd/sharing; MPS v2's when None: the claim's region directory, the
+    pipe directory read-only, the shim read-only, the MPS limits of ``plan`` and its GPUs), the
+    device nodes, and, where the shim is given, the region file ``region`` of this device's
+    containers in the claim's directory (one cap for all of their processes)."""
     if grant is None:
-        grant = V2Backend(paths).edits(SliceRequest(uid, plan, region_dir, client_priority=client_priority))
-    env = grant.env
+        grant = V2Backend(paths).edits(SliceRequest(name, plan, region_dir, client_priority=client_priority))
+    env = dict(grant.env)
+    if "MPSSHIM_REGION" in env:
+        env["MPSSHIM_REGION"] = f"{CONTAINER_REGION_DIR}/{region}"
     mounts = [_mount(m.host, m.container, read_only=m.read_only) for m in grant.mounts]  # as CDI mounts
     edits = {
         "env": [f"{k}={v}" for k, v in sorted(env.items())],
@@ -93,11 +136,7 @@ def claim_spec(
     node_list = [{"path": n} for n in nodes]
     if node_list:
         edits["deviceNodes"] = node_list
-    return {
-        "cdiVersion": CDI_VERSION,
-        "kind": CDI_KIND,
-        "devices": [{"name": check_uid(uid), "containerEdits": edits}],
-    }
+    return {"name": name, "containerEdits": edits}
 
 
 def _mount(host: str, container: str, *, read_only: bool) -> dict:

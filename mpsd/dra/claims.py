@@ -9,6 +9,9 @@ For one claim and this driver and node:
   ``metadata.name`` or ``matchExpressions`` on ``kubernetes.io/hostname``, operator ``In``);
 - the results of this driver (``status.allocation.devices.results[]``) name devices of this
   node's pool: ``gpu-<index>`` (capacity mode) or ``gpu-<index>-slice-<k>`` (slices mode);
+- each request (a subrequest counts as its request) is planned on its own: the containers
+  naming it get its GPUs and limits only (mpsd/dra/cdi.py writes a CDI device per request);
+  the whole claim's plan is what it consumed per GPU;
 - what a result consumed (``consumedCapacity``: ``memory`` in bytes, ``compute`` in percent of
   the SMs, at least 1 as the slices' validRange says: less would reach MPS as 0 %; quantities
   read as the API server reads them, mpsd/dra/quantity.py) becomes the container's pinned
@@ -61,22 +64,41 @@ class ClaimRef:
         return f"{self.namespace}/{self.name}"
 
 
+def base_request(name: str) -> str:
+    """The request a result belongs to, as a container names it: ``gpu`` for ``gpu/large`` (a
+    subrequest of a ``firstAvailable`` list), ``gpu`` for ``gpu``. The kubelet matches a
+    container's ``resources.claims[].request`` literally against the response's request names
+    (the DRA helper's resourceclaim.BaseRequestRef does the same cut)."""
+    return name.split("/", 1)[0]
+
+
 @dataclass(frozen=True)
 class Result:
-    """One allocated device of this driver, as the response to the kubelet names it."""
+    """One allocated device of this driver, as the response to the kubelet names it: ``request``
+    is the base request (:func:`base_request`)."""
 
     request: str
     pool: str
     device: str
+    share_id: str = ""  # the result's shareID (a device allocated to several claims), "" when none
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What the containers naming one request of the claim get: its own GPUs and limits."""
+
+    name: str  # the base request
+    plan: Plan
 
 
 @dataclass(frozen=True)
 class ClaimPlan:
     ref: ClaimRef
     results: tuple[Result, ...]
-    plan: Plan  # the limits, as the device plugin computes them for a container
+    plan: Plan  # the whole claim's limits per GPU (its consumption: metrics, status)
     client_priority: int | None
     pods: tuple[str, ...]  # names of the pods in reservedFor
+    requests: tuple[RequestPlan, ...] = ()  # one per request, in the order the results name them
     pod_uids: tuple[str, ...] = ()  # their UIDs (the sharing backend finds their cgroups)
     memory_limit: int | None = None  # ClaimConfig memoryLimit: the hard limit per GPU (burst), bytes
 
@@ -274,11 +296,18 @@ def plan_claim(
         if r.get("pool") != pool:
             raise DraError(f"{where}: pool {short(r.get('pool'))} is not this node's pool {pool!r}")
         takes.append(_take(r, by_index, slices_per_gpu, where))
-        names.append(Result(str(r.get("request") or ""), pool, str(r["device"])))
+        share_id = r.get("shareID")
+        names.append(Result(base_request(str(r.get("request") or "")), pool, str(r["device"]),
+                            share_id if isinstance(share_id, str) else ""))
     if len(set(names)) != len(names):
         raise DraError(f"claim {ref}: a device is allocated twice for one request")
     priority = client_config(_get(allocation, "devices", "config"), driver, ref)
     device_ids = tuple(sorted({f"{n.pool}/{n.device}" for n in names}))
+    requests = []
+    for request in dict.fromkeys(n.request for n in names):
+        mine = [(t, n) for t, n in zip(takes, names, strict=True) if n.request == request]
+        ids = tuple(sorted({f"{n.pool}/{n.device}" for _, n in mine}))
+        requests.append(RequestPlan(request, _plan([t for t, _ in mine], ids, ref)))
     reserved = _get(claim, "status", "reservedFor")
     consumers = [c for c in (reserved if isinstance(reserved, list) else [])
                  if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")]
@@ -286,4 +315,4 @@ def plan_claim(
     uids = tuple(str(c["uid"]) for c in consumers if isinstance(c.get("uid"), str) and c["uid"])
     plan = _plan(takes, device_ids, ref)
     limit = claim_memory_limit(_get(allocation, "devices", "config"), driver, ref, plan, gpus)
-    return ClaimPlan(ref, tuple(names), plan, priority, pods, uids, limit)
+    return ClaimPlan(ref, tuple(names), plan, priority, pods, tuple(requests), uids, limit)

@@ -10,6 +10,9 @@
   one-line error in its entry (the kubelet asks again for those). At most PREPARE_SLOTS
   Prepare calls run at once (each may wait on the API server for its whole timeout); one more
   is answered "busy" at once, so Unprepare, which needs no API call, always finds a thread.
+  With a health source, the DRAResourceHealth service too, v1 and v1alpha1
+  (mpsd/dra/devicehealth.py), listed in the registration's supported versions as the kubelet
+  looks for it.
 
 Seamless upgrades (``instance``, the pod's UID: mpsd/plugin/served.py). Kubelets since 1.33
 keep every registered instance of a driver, each under its own endpoint, and call the newest
@@ -49,6 +52,7 @@ from ..plugin.served import UNIX_PATH_MAX, ServedSocket, remove_stale_sockets
 from ..plugin.sharedlock import SharedLock
 from . import (
     cdi,
+    devicehealth,
     dra_v1_pb2,
     dra_v1_pb2_grpc,
     dra_v1beta1_pb2,
@@ -57,6 +61,7 @@ from . import (
     pluginregistration_pb2_grpc,
 )
 from .claims import ClaimRef
+from .devices import parse_device_name
 from .claimusage import ClaimUsageReader
 from .prepared import PreparedClaim, Preparer
 
@@ -92,17 +97,36 @@ def _hash(text: str, size: int) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()[:size]).decode().rstrip("=")
 
 
-def _devices(pb2, rec: PreparedClaim) -> list:
-    """One response Device per allocated device; the claim's CDI ID on the first device of each
-    request, so a container naming the claim gets it once per request."""
+def _devices(pb2, rec: PreparedClaim, nvidia: dict[int, str] | None = None) -> list:
+    """One response Device per allocated device; the request's CDI ID on its first device, so a
+    container naming the request gets that request's GPUs and limits, and one naming the whole
+    claim gets every request's (a record written before requests had devices of their own has
+    one ID for the claim, on the first device of each request). ``nvidia``: GPU index -> the
+    ID of NVIDIA's own CDI device for it (mpsd/dra/nvidiacdi.py), given on the first device of
+    each request on that GPU."""
     seen: set[str] = set()
+    given: set[tuple[str, int]] = set()
     devices = []
     for r in rec.results:
-        ids = [] if r.request in seen else [cdi.device_id(rec.uid)]
+        ids = [] if r.request in seen else [cdi.device_id(rec.uid, r.request if rec.requests else None)]
         seen.add(r.request)
-        devices.append(pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
-                                  device_name=r.device, cdi_device_ids=ids))
+        index = _gpu_index(r.device)
+        if nvidia and index in nvidia and (r.request, index) not in given:
+            given.add((r.request, index))
+            ids.append(nvidia[index])
+        device = pb2.Device(request_names=[r.request] if r.request else [], pool_name=r.pool,
+                            device_name=r.device, cdi_device_ids=ids)
+        if r.share_id and "share_id" in pb2.Device.DESCRIPTOR.fields_by_name:  # v1 only (1.35)
+            device.share_id = r.share_id
+        devices.append(device)
     return devices
+
+
+def _gpu_index(device: str) -> int | None:
+    try:
+        return parse_device_name(device)[0]
+    except ValueError:
+        return None
 
 
 class DraServicer:
@@ -160,7 +184,7 @@ class DraServicer:
                 log.error("NodePrepareResources claim=%s error=%s", refs[uid], outcome)
                 response.claims[uid].error = outcome
             else:
-                response.claims[uid].devices.extend(_devices(self.pb2, outcome))
+                response.claims[uid].devices.extend(_devices(self.pb2, outcome, self.preparer.nvidia_ids(outcome)))
         return response
 
     def _unprepare(self, request):
@@ -179,15 +203,15 @@ def _refs(request) -> dict[str, ClaimRef]:
 
 
 class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
-    def __init__(self, driver: str, endpoint: str) -> None:
-        self.driver, self.endpoint = driver, endpoint
+    def __init__(self, driver: str, endpoint: str, versions: tuple[str, ...] = SUPPORTED_VERSIONS) -> None:
+        self.driver, self.endpoint, self.versions = driver, endpoint, versions
         self.status: tuple[bool, str] | None = None  # the kubelet's last verdict
         self.notified = threading.Event()
         self.on_registered: Callable[[], None] = lambda: None  # e.g. the slice publisher's invalidate
 
     def GetInfo(self, request, context):
         return pluginregistration_pb2.PluginInfo(
-            type=PLUGIN_TYPE, name=self.driver, endpoint=self.endpoint, supported_versions=list(SUPPORTED_VERSIONS)
+            type=PLUGIN_TYPE, name=self.driver, endpoint=self.endpoint, supported_versions=list(self.versions)
         )
 
     def NotifyRegistrationStatus(self, request, context):
@@ -203,11 +227,15 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
 
 class DraPlugin:
     def __init__(self, preparer: Preparer, *, plugins_dir: str, registry_dir: str, poll_interval: float = 1.0,
-                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0, instance: str = ""):
-        """``instance``: this mpsd's name for its sockets (the pod's UID); "" for the fixed names."""
+                 usage: ClaimUsageReader | None = None, usage_interval: float = 10.0, instance: str = "",
+                 health: devicehealth.HealthSource | None = None, health_options: dict | None = None):
+        """``instance``: this mpsd's name for its sockets (the pod's UID); "" for the fixed names.
+        ``health``: the device health served to the kubelet (DRAResourceHealth v1 and v1alpha1
+        on the DRA socket, listed in the registration) and on /metrics."""
         driver = preparer.driver
-        self.preparer = preparer
+        self.preparer, self.health = preparer, health
         self.instance = instance
+        self._stop = threading.Event()
         self.poll_interval = poll_interval
         self.usage, self.usage_interval = usage, usage_interval  # per-claim metrics, every usage_interval
         self.data_dir = os.path.abspath(os.path.join(plugins_dir, driver))
@@ -215,7 +243,8 @@ class DraPlugin:
         self.socket_path = os.path.join(self.data_dir, dra_socket_name(instance))
         self.registration_path = os.path.join(self.registry_dir,
                                               registration_socket_name(driver, instance, registry_dir))
-        self.registration = RegistrationServicer(driver, self.socket_path)
+        versions = SUPPORTED_VERSIONS + (devicehealth.SERVICES if health is not None else ())
+        self.registration = RegistrationServicer(driver, self.socket_path, versions)
         self._pool = futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mpsd-dra-claim")
         slots = threading.BoundedSemaphore(PREPARE_SLOTS)  # shared by v1 and v1beta1: one server, one pool
         self._serialize = SharedLock(os.path.join(self.data_dir, SERIALIZE_LOCK), wait=SERIALIZE_WAIT)
@@ -226,15 +255,17 @@ class DraPlugin:
         def add_dra(server: grpc.Server) -> None:
             dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
             dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+            if health is not None:
+                devicehealth.add_to_server(server, health, preparer.pool, self._stop, **(health_options or {}))
 
         def add_registration(server: grpc.Server) -> None:
             pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
         sockets = functools.partial(ServedSocket, what="socket", thread_prefix="mpsd-dra-rpc", error=DraError,
                                     dir_mode=0o750)
-        self._dra = sockets(self.socket_path, add_dra, PREPARE_SLOTS + RESERVED_THREADS)
+        streams = devicehealth.MAX_STREAMS if health is not None else 0  # each open stream holds a thread
+        self._dra = sockets(self.socket_path, add_dra, PREPARE_SLOTS + RESERVED_THREADS + streams)
         self._reg = sockets(self.registration_path, add_registration, 2)
-        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -294,6 +325,8 @@ class DraPlugin:
         last = ""
         while not self._stop.wait(self.poll_interval):
             try:
+                if self.health is not None:
+                    self.health.publish_metrics()
                 self.check()
                 last = ""
             except MpsdError as exc:

@@ -60,6 +60,18 @@ class ClaimMetrics(Families):
         )
         for gate in DRA_GATES:  # exported from the start, at 0
             self.dra_fields_dropped.labels(gate).set(0)
+        self.dra_device_health = Gauge(
+            "mpsd_dra_device_health",
+            "1 for the health mpsd reports to the kubelet for a DRA device (healthy, unhealthy, unknown)",
+            ["device", "health"],
+            registry=r,
+        )
+        self.dra_health_streams = Gauge(
+            "mpsd_dra_health_streams", "DRA device health streams (NodeWatchResources) open to the kubelet", registry=r
+        )
+        self.dra_health_updates = Counter(
+            "mpsd_dra_health_updates", "Device health lists sent to the kubelet on its streams", registry=r
+        )
         self.dra_device_tainted = Gauge(
             "mpsd_dra_device_tainted",
             "1 for each GPU whose devices carry mpsd's taint in the node's ResourceSlices (reason, effect)",
@@ -95,3 +107,16 @@ class ClaimMetrics(Families):
         """{GPU index: (reason, effect)} of the GPUs tainted now; replaces the last set."""
         with self._lock:
             self._replace(self.dra_device_tainted, {(str(g), r, e): 1.0 for g, (r, e) in taints.items()})
+
+    # -- device health (NodeWatchResources) ------------------------------------------------
+
+    def set_dra_device_health(self, per_device: Mapping[str, str]) -> None:
+        """device name -> "healthy" | "unhealthy" | "unknown"; replaces the last set."""
+        with self._lock:
+            self._replace(self.dra_device_health, dict.fromkeys(per_device.items(), 1.0))
+
+    def set_dra_health_streams(self, count: int) -> None:
+        self.dra_health_streams.set(count)
+
+    def dra_health_sent(self) -> None:
+        self.dra_health_updates.inc()

@@ -38,6 +38,7 @@ from ..sharing.v2 import V2Backend
 from ..trees import remove_tree
 from . import cdi
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
+from .nvidiacdi import NvidiaSpecs
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,21 @@ GetClaim = Callable[[str, str], Any]  # (namespace, name) -> the ResourceClaim a
 
 def claim_key(uid: str) -> str:
     return f"claim-{uid}"
+
+
+@dataclass(frozen=True)
+class RequestShare:
+    """One request of a prepared claim: its GPUs (ordinals as its containers see them), its
+    thread percentage; its CDI device is ``<uid>_<name>``, its region file ``region-<name>``."""
+
+    name: str
+    gpus: tuple[GpuShare, ...]
+    active_thread_percentage: float
+
+
+def _shares(items) -> tuple[GpuShare, ...]:
+    return tuple(GpuShare(int(g["ordinal"]), int(g["index"]), str(g["uuid"]), tuple(int(k) for k in g["slices"]),
+                          int(g["memory_limit"])) for g in items)
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,7 @@ class PreparedClaim:
     pods: tuple[str, ...] = ()
     pod_uids: tuple[str, ...] = ()
     memory_limit: int | None = None  # ClaimConfig memoryLimit: hard bytes per GPU (burst)
+    requests: tuple[RequestShare, ...] = ()  # empty: prepared with one CDI device for the whole claim
 
     @property
     def allocation_id(self) -> str:
@@ -85,12 +102,21 @@ class PreparedClaim:
     def memory_limits(self) -> dict[int, int]:
         return self.plan.memory_limits
 
+    def request_plans(self) -> list[tuple[str | None, Plan]]:
+        """(request, what its containers get) per CDI device; (None, the claim's plan) for a claim
+        prepared with one device."""
+        if not self.requests:
+            return [(None, self.plan)]
+        return [(q.name, Plan(tuple(sorted(f"{r.pool}/{r.device}" for r in self.results if r.request == q.name)),
+                              q.gpus, q.active_thread_percentage)) for q in self.requests]
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["results"] = [asdict(r) for r in self.results]
         data["gpus"] = [asdict(g) for g in self.gpus]
         data["pods"] = list(self.pods)
         data["pod_uids"] = list(self.pod_uids)
+        data["requests"] = [{**asdict(q), "gpus": [asdict(g) for g in q.gpus]} for q in self.requests]
         return data
 
     @classmethod
@@ -99,12 +125,9 @@ class PreparedClaim:
             uid=cdi.check_uid(str(data["uid"])),
             namespace=str(data["namespace"]),
             name=str(data["name"]),
-            results=tuple(Result(str(r["request"]), str(r["pool"]), str(r["device"])) for r in data["results"]),
-            gpus=tuple(
-                GpuShare(int(g["ordinal"]), int(g["index"]), str(g["uuid"]), tuple(int(k) for k in g["slices"]),
-                         int(g["memory_limit"]))
-                for g in data["gpus"]
-            ),
+            results=tuple(Result(str(r["request"]), str(r["pool"]), str(r["device"]), str(r.get("share_id") or ""))
+                          for r in data["results"]),
+            gpus=_shares(data["gpus"]),
             active_thread_percentage=float(data["active_thread_percentage"]),
             client_priority=None if data.get("client_priority") is None else int(data["client_priority"]),
             region_dir=str(data["region_dir"]),
@@ -114,6 +137,8 @@ class PreparedClaim:
             pods=tuple(str(p) for p in data.get("pods", ())),
             pod_uids=tuple(str(p) for p in data.get("pod_uids", ())),
             memory_limit=None if data.get("memory_limit") is None else int(data["memory_limit"]),
+            requests=tuple(RequestShare(str(q["name"]), _shares(q["gpus"]), float(q["active_thread_percentage"]))
+                           for q in data.get("requests", ())),
         )
 
 
@@ -132,7 +157,9 @@ class Preparer:
         get_claim: GetClaim,
         dev_dir: str = "/dev",
         backend: Backend | None = None,
+        nvidia: NvidiaSpecs | None = None,
     ) -> None:
+        """``nvidia``: NVIDIA's CDI specs on the node, whose device IDs are answered beside mpsd's."""
         self.driver, self.node, self.pool = driver, node, pool
         self.backend = backend or V2Backend(paths)  # what a claim becomes on this node (mpsd/sharing)
         self.gpus: Sequence[GpuLike] = list(gpus)  # replaced whole when NVML lists other GPUs
@@ -142,6 +169,7 @@ class Preparer:
         self.store = store
         self.get_claim = get_claim
         self.dev_dir = dev_dir
+        self.nvidia = nvidia
         self.lock = threading.Lock()  # one claim changes at a time; the API server is asked outside it
         self.step: Callable[[str], None] = lambda name: None  # fault injection in tests: called at each step
 
@@ -151,7 +179,7 @@ class Preparer:
         """Converge after a restart: re-create what a prepared claim lost, and remove specs and claim
         directories of ours that no record names (a crash before the record was written)."""
         with self.lock:
-            self.backend.adopt([self.request(rec) for rec in self.prepared()])  # before the specs: they follow it
+            self.backend.adopt([q for rec in self.prepared() for q in self.slices(rec)])  # before the specs
             for rec in self.store.all():
                 if rec.phase != PREPARED:
                     log.warning("claim record of phase %r rolled back claim=%s uid=%s", rec.phase, rec.ref, rec.uid)
@@ -251,6 +279,8 @@ class Preparer:
             client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
             phase=PREPARED, created=time.time(), pods=planned.pods, pod_uids=planned.pod_uids,
             memory_limit=planned.memory_limit,
+            requests=tuple(RequestShare(q.name, q.plan.gpus, q.plan.active_thread_percentage)
+                           for q in planned.requests),
         )
         try:
             directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
@@ -259,7 +289,8 @@ class Preparer:
         self.step("directory")
         rec = replace(rec, region_dir=directory)
         try:
-            self.backend.grant(self.request(rec))
+            for req in self.slices(rec):
+                self.backend.grant(req)
             self._write_spec(rec)
         except MpsdError as exc:
             self._rollback(rec)
@@ -319,6 +350,10 @@ class Preparer:
             log.info("claim unprepared claim=%s uid=%s", rec.ref, rec.uid)
         return outcomes
 
+    def nvidia_ids(self, rec: PreparedClaim) -> dict[int, str]:
+        """GPU index -> NVIDIA's CDI device ID for the claim's GPUs that NVIDIA's specs name."""
+        return self.nvidia.ids((g.uuid, g.index) for g in rec.gpus) if self.nvidia is not None else {}
+
     def prepared(self) -> list[PreparedClaim]:
         return [r for r in self.store.all() if r.phase == PREPARED]
 
@@ -341,7 +376,8 @@ class Preparer:
         if rec.region_dir:
             self._remove_dir(rec.region_dir)
         self.step("directory removed")
-        self.backend.release(rec.allocation_id)
+        for req in self.slices(rec):
+            self.backend.release(req.key)
 
     def _ensure(self, rec: PreparedClaim) -> None:
         """A prepared claim's directory and spec exist and the spec is what the record says."""
@@ -351,16 +387,38 @@ class Preparer:
             log.warning("CDI spec of a prepared claim missing or changed, written again claim=%s", rec.ref)
             self._write_spec(rec)
 
-    def request(self, rec: PreparedClaim) -> SliceRequest:
-        """What the claim asks of the node's sharing backend."""
-        hard = {} if rec.memory_limit is None else {g.ordinal: rec.memory_limit for g in rec.gpus}
-        return SliceRequest(rec.allocation_id, rec.plan, rec.region_dir, client_priority=rec.client_priority,
-                            pod_uids=rec.pod_uids, memory_hard=hard)
+    def requests(self, rec: PreparedClaim) -> list[tuple[str | None, SliceRequest]]:
+        """What the claim asks of the node's sharing backend: a slice per request of the claim
+        (key ``<allocation id>/<request>``; one keyed by the allocation ID for a claim prepared
+        with one device), each with its own GPUs and limits."""
+        out = []
+        for name, plan in rec.request_plans():
+            hard = {} if rec.memory_limit is None else {g.ordinal: rec.memory_limit for g in plan.gpus}
+            key = rec.allocation_id if name is None else f"{rec.allocation_id}/{name}"
+            out.append((name, SliceRequest(key, plan, rec.region_dir, client_priority=rec.client_priority,
+                                           pod_uids=rec.pod_uids, memory_hard=hard)))
+        return out
+
+    def slices(self, rec: PreparedClaim) -> list[SliceRequest]:
+        return [req for _, req in self.requests(rec)]
 
     def _spec(self, rec: PreparedClaim) -> dict:
-        nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)
-        return cdi.claim_spec(rec.uid, rec.plan, self.paths, rec.region_dir, client_priority=rec.client_priority,
-                              nodes=nodes, grant=self.backend.edits(self.request(rec)))
+        """A CDI device per request (one for the whole claim in a record written before that), each
+        what the node's sharing backend gives that request's slice."""
+        return cdi.spec([
+            cdi.device(cdi.device_name(rec.uid, name), req.plan, self.paths, rec.region_dir,
+                       client_priority=rec.client_priority, region=cdi.region_file(name),
+                       nodes=cdi.device_nodes(self._minors(req.plan.gpus), self.dev_dir),
+                       grant=self.backend.edits(req))
+            for name, req in self.requests(rec)
+        ])
+
+    def _minors(self, shares: Sequence[GpuShare]) -> list[int]:
+        """The minor numbers NVML gives these GPUs (by UUID); a GPU it gives none (or no longer
+        lists) gets no /dev/nvidia<N> node from mpsd: a node named by a guess could be another
+        GPU's."""
+        minors = {g.uuid: getattr(g, "minor_number", None) for g in self.gpus}
+        return [m for m in (minors.get(s.uuid) for s in shares) if m is not None]
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

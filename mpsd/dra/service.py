@@ -43,6 +43,9 @@ from ..plugin.usage import shim_usage
 from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
 from .keeper import SliceKeeper
+from .devicehealth import HealthSource
+from .nvidiacdi import DEFAULT_DIRS as DEFAULT_CDI_DIRS
+from .nvidiacdi import NvidiaSpecs
 from .kubeletplugin import DraPlugin
 from .prepared import PREPARED, PreparedClaim, Preparer
 from .publisher import SlicePublisher
@@ -79,22 +82,32 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get("NODE_NAME") or socket.gethostname()
 
 
+def nvidia_cdi_dirs(cdi_dir: str) -> tuple[str, ...]:
+    """Where NVIDIA's CDI specs may be: the runtimes' two default directories and cdiDir."""
+    return tuple(dict.fromkeys((*DEFAULT_CDI_DIRS, cdi_dir)))
+
+
 def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_dir: str, node: str,
-          metrics=None, shim_library: str | None = None, backend=None, instance: str | None = None) -> DraPlugin:
+          metrics=None, shim_library: str | None = None, backend=None, instance: str | None = None,
+          board: HealthBoard | None = None) -> DraPlugin:
     """The plugin for ``config`` (a whole mpsd Config), not started; with ``metrics``, per-claim
-    series every 10 s (regions read through ``shim_library``)."""
+    series every 10 s (regions read through ``shim_library``); with ``board``, device health
+    for the kubelet (mpsd/dra/devicehealth.py) from it."""
     dp, dra = config.device_plugin, config.dra
     paths = HostPaths(pipe_dir=pipe_dir, region_dir=dp.region_dir, shim_host_dir=dp.shim_host_dir,
                       ipc_mode=dp.ipc_mode, shm_dir=dp.shm_dir)
     preparer = Preparer(
         driver=dra.driver_name, node=node, pool=node, gpus=gpus, slices_per_gpu=dp.slices_per_gpu, paths=paths,
         cdi_dir=CdiDir(dra.cdi_dir), store=StateStore(os.path.join(state_dir, STATE_FILE), record=PreparedClaim),
-        get_claim=get_claim, backend=backend,
+        get_claim=get_claim, backend=backend, nvidia=NvidiaSpecs(nvidia_cdi_dirs(dra.cdi_dir)),
     )
     usage = None
     if metrics is not None:
         usage = ClaimUsageReader(preparer.prepared, functools.partial(shim_usage, library=shim_library), metrics)
-    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage,
+    health = None
+    if board is not None:
+        health = HealthSource(board, lambda: preparer.gpus, preparer.prepared, dra.mode, dp.slices_per_gpu, metrics)
+    return DraPlugin(preparer, plugins_dir=dra.plugins_dir, registry_dir=dra.registry_dir, usage=usage, health=health,
                      instance=instance_id() if instance is None else instance)
 
 
@@ -112,10 +125,12 @@ def run_dra(
     gpu_lister: Callable[[], Sequence[GpuLike]] | None = None,
     backend=None,
     instance: str | None = None,
+    driver_version: Callable[[], str] | None = None,
 ) -> None:
     """Serve the DRA plugin until ``stop`` is set (see the module docstring); ``backend``: the
     node's sharing backend (mpsd/sharing), MPS v2's when None; ``instance`` names its sockets
-    (default: ``POD_UID``)."""
+    (default: ``POD_UID``); ``driver_version``: NVIDIA's driver version as NVML reports it
+    (published as the driverVersion attribute)."""
     state_dir = state_dir or config.state_dir
     own_api = api is None
     watcher = None
@@ -128,14 +143,16 @@ def run_dra(
     dra = config.dra
     try:
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
-                       node=node, metrics=metrics, shim_library=shim_library, backend=backend, instance=instance)
+                       node=node, metrics=metrics, shim_library=shim_library, backend=backend, instance=instance,
+                       board=board)
         dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         publisher = SlicePublisher(api, dra.driver_name, node, dra.mode, config.device_plugin.slices_per_gpu,
                                    node_uid=_node_uid(api, node), metrics=metrics)
         watch = getattr(watcher or api, "watch_resource_slices", None)
         keeper = SliceKeeper(
-            publisher, gpus, board=board, tainter=Tainter(dra.driver_name, dra.taint_effect, dra.taint_after),
+            publisher, gpus, driver_version=_version(driver_version), board=board,
+            tainter=Tainter(dra.driver_name, dra.taint_effect, dra.taint_after),
             gpu_lister=gpu_lister, on_gpus=functools.partial(setattr, plugin.preparer, "gpus"),
             watch=functools.partial(watch, dra.driver_name, node) if watch else None, interval=PUBLISH_INTERVAL,
             metrics=metrics,
@@ -155,6 +172,17 @@ def run_dra(
             watcher.close()
         if own_api:
             api.close()
+
+
+def _version(driver_version: Callable[[], str] | None) -> str:
+    """The driver version, "" when unknown (the attribute is then left out, as slices.py does)."""
+    if driver_version is None:
+        return ""
+    try:
+        return driver_version()
+    except MpsdError as exc:
+        log.warning("driver version unknown, driverVersion not published error=%s", exc)
+        return ""
 
 
 def _node_uid(api, node: str) -> str | None:

@@ -53,6 +53,8 @@ LOOSENED = [
     ("MpsdDraSliceFieldsDropped", "for", "10m", "0m"),
     ("MpsdDraSliceFieldsDropped", "expr", "> 0", ">= 0"),
     ("MpsdDraDeviceTainted", "for", "10m", "0m"),
+    ("MpsdDraDeviceUnhealthy", "for", "5m", "0m"),
+    ("MpsdDraDeviceUnhealthy", "expr", '{health="unhealthy"}', ""),
     ("MpsdMetricsTargetDown", "for", "5m", "0m"),
     ("MpsdMetricsTargetDown", "expr", '{job="mpsd-metrics"}', ""),
     ("MpsdMetricsAbsent", "for", "15m", "0m"),

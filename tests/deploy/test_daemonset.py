@@ -265,8 +265,8 @@ def test_least_privilege(node_kustomization: str) -> None:
 
 # --- comments: every privilege is explained where it is granted --------------------------
 
-PRIVILEGED_KEY = re.compile(r"^\s*-?\s*(hostPID|hostIPC|privileged|capabilities|runAsUser)\s*:"
-                            r"|^\s*path:\s*\S*/(hostPID|hostIPC|privileged|capabilities)\b")
+PRIVILEGED_KEY = re.compile(r"^\s*-?\s*(hostPID|hostIPC|privileged|capabilities|runAsUser|seLinuxOptions)\s*:"
+                            r"|^\s*path:\s*\S*/(hostPID|hostIPC|privileged|capabilities|seLinuxOptions)\b")
 YAML_FILES = sorted([*(REPO / "deploy").rglob("*.yaml"), *(REPO / "examples").rglob("*.yaml")])
 
 
@@ -293,6 +293,7 @@ def test_every_privilege_has_an_adjacent_comment(path: Path) -> None:
     ("spec:\n  hostIPC: true  # shares /dev/shm\n", []),
     ("- op: replace\n  path: /spec/template/spec/hostIPC\n", ["2: path: /spec/template/spec/hostIPC"]),
     ("ctx:\n  privileged: false\n  # why\n  capabilities: {}\n", ["2: privileged: false"]),
+    ("- op: add\n  path: /spec/x/securityContext/seLinuxOptions\n", ["2: path: /spec/x/securityContext/seLinuxOptions"]),
 ])
 def test_comment_check(text: str, bad: list[str]) -> None:
     assert unexplained_privileges(text) == bad

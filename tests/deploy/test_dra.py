@@ -149,7 +149,13 @@ def test_the_examples_the_issue_asks_for_are_there() -> None:
     assert len([n for n, o in example_objects() if n == "two-deployments.yaml" and o["kind"] == "Deployment"]) == 2
 
 
-@pytest.mark.parametrize("template", sorted(claim_templates()))
+def capacity_templates() -> list[str]:
+    """The templates for capacity mode: they ask for amounts (capacity.requests)."""
+    return sorted(n for n, t in claim_templates().items()
+                  if any("capacity" in r["exactly"] for r in t["spec"]["spec"]["devices"]["requests"]))
+
+
+@pytest.mark.parametrize("template", capacity_templates())
 def test_claims_ask_the_driver_for_what_its_request_policy_accepts(template: str) -> None:
     device_class = one(rendered(DRA), "DeviceClass")["metadata"]["name"]
     for request in claim_templates()[template]["spec"]["spec"]["devices"]["requests"]:
@@ -210,3 +216,56 @@ def test_the_config_loads_with_mpsd_config(tmp_path: Path) -> None:
     assert (dra.enabled, dra.driver_name, dra.mode) == (raw["enabled"], raw["driverName"], raw["mode"])
     assert (dra.plugins_dir, dra.registry_dir, dra.cdi_dir) == (raw["pluginsDir"], raw["registryDir"], raw["cdiDir"])
     assert cfg.device_plugin.enabled is False
+
+
+def test_the_driver_runs_in_the_selinux_domain_of_the_reference_drivers_and_no_more() -> None:
+    """The kubelet plugin writes sockets under /var/lib/kubelet/plugins{,_registry} and specs in
+    /var/run/cdi: on an SELinux-enforcing node the default container_t domain may not. The
+    reference drivers (kubernetes-sigs/dra-example-driver, NVIDIA/k8s-dra-driver-gpu) run their
+    plugin container privileged, which runs it as spc_t; mpsd takes that domain alone and keeps
+    the base's restrictions: not privileged, no privilege escalation, all capabilities dropped
+    but the base's six (docs/security.md, "Privileges of the DRA driver")."""
+    base = next(c for c in one(rendered("deploy/base"), "DaemonSet", "mpsd")["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "mpsd")["securityContext"]
+    ours = mpsd_container()["securityContext"]
+    assert ours["seLinuxOptions"] == {"type": "spc_t"}
+    assert {k: v for k, v in ours.items() if k != "seLinuxOptions"} == base
+    assert ours["privileged"] is False and ours["allowPrivilegeEscalation"] is False
+    assert ours["capabilities"]["drop"] == ["ALL"]
+
+
+def test_nvidias_cdi_specs_are_readable_and_only_readable() -> None:
+    """NVIDIA's specs (nvidia-ctk cdi generate writes /etc/cdi/nvidia.yaml) are read to answer their
+    device IDs beside mpsd's (mpsd/dra/nvidiacdi.py); mpsd writes only in cdiDir."""
+    volumes = {v["name"]: v for v in ds_spec()["volumes"]}
+    (etc,) = [m for m in mpsd_container()["volumeMounts"] if m["mountPath"] == "/etc/cdi"]
+    assert etc.get("readOnly") is True and volumes[etc["name"]]["hostPath"]["path"] == "/etc/cdi"
+    assert mounts()["/var/run/cdi"] == config()["dra"]["cdiDir"] == "/var/run/cdi"
+
+
+def test_the_slices_mode_example_selects_by_size_without_the_gate() -> None:
+    """Without DRAConsumableCapacity (1.34 and 1.35 by default) the API server drops a request's
+    ``capacity`` (it is gated), so in slices mode ``capacity.requests`` filters nothing and any
+    slice would do. A CEL selector on the slice's capacity is not gated: the slices example picks
+    by size with one, naming the driver's capacities, and asks for no capacity."""
+    (template,) = [t for n, t in claim_templates().items() if n not in capacity_templates()]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    exactly = request["exactly"]
+    assert "capacity" not in exactly and exactly.get("count", 1) >= 1
+    expressions = [s["cel"]["expression"] for s in exactly["selectors"]]
+    domain = devices.DEFAULT_DRIVER_NAME
+    assert any(f'device.capacity["{domain}"].{devices.MEMORY}.compareTo(quantity(' in e for e in expressions)
+    text = (EXAMPLES / "slices-claim-template.yaml").read_text()
+    assert "DRAConsumableCapacity" in text and "dra.mode: slices" in text
+    doc = (REPO / "docs/dra.md").read_text()
+    assert "drops" in doc and "slices-claim-template.yaml" in doc
+
+
+def test_what_the_node_needs_for_the_driver_libraries_is_shipped() -> None:
+    """mpsd's CDI spec has no driver libraries: docs/dra.md names the two ways a node provides
+    them (NVIDIA's CDI specs, or the NVIDIA runtime with the RuntimeClass shipped here)."""
+    (rc,) = [o for _, o in example_objects() if o["kind"] == "RuntimeClass"]
+    assert (rc["metadata"]["name"], rc["handler"]) == ("nvidia", "nvidia")
+    doc = (REPO / "docs/dra.md").read_text()
+    assert "nvidia-ctk cdi generate" in doc and "examples/dra/runtimeclass.yaml" in doc
+    assert "runtimeClassName: nvidia" in doc

@@ -143,3 +143,21 @@ def default_taint_times(obj: dict[str, Any]) -> None:
     for device in (obj.get("spec") or {}).get("devices") or []:
         for taint in device.get("taints") or []:
             taint.setdefault("timeAdded", now)
+
+
+def resource_claim_errors(obj: dict[str, Any]) -> list[str]:
+    """A ResourceClaim's allocation results against its requests, as the API server's validation
+    of status.allocation states it (pkg/apis/resource/validation: a result's ``request`` names a
+    request of the spec; one with ``firstAvailable`` only as ``<request>/<subrequest>``, naming
+    one of its subrequests; an ``exactly`` request only bare)."""
+    requests = ((obj.get("spec") or {}).get("devices") or {}).get("requests") or []
+    exactly = {r.get("name") for r in requests if r.get("exactly")}
+    subrequests = {f"{r.get('name')}/{s.get('name')}" for r in requests for s in r.get("firstAvailable") or []}
+    results = (((obj.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    errors = []
+    for i, result in enumerate(results):
+        name = result.get("request")
+        if name not in exactly and name not in subrequests:
+            errors.append(f"status.allocation.devices.results[{i}].request {name!r}: names no request of the spec "
+                          f"(requests: {sorted(exactly)}, subrequests: {sorted(subrequests)})")
+    return errors

@@ -1,7 +1,7 @@
 """A stand-in Kubernetes API server for the DRA driver's tests: an HTTP(S) server in the test
 process, as small as the driver needs, speaking the API's paths, status objects and selectors.
 
-- ResourceClaims: tests put them in (``put_claim``); GET one. Nodes (``nodes``): GET one.
+- ResourceClaims: tests put them in (``put_claim``, validated as every write is); GET one. Nodes (``nodes``): GET one.
 - ResourceSlices: list (``fieldSelector`` on spec.driver, spec.nodeName, spec.pool.name,
   metadata.name; ``labelSelector`` k=v), get, create (``generateName`` honoured), replace
   (``resourceVersion`` checked: a stale one is 409 Conflict), delete.
@@ -55,7 +55,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.dra.apirules import default_taint_times, drop_disabled_fields, resource_slice_errors
+from tests.dra.apirules import (
+    default_taint_times,
+    drop_disabled_fields,
+    resource_claim_errors,
+    resource_slice_errors,
+)
 
 BASE = "/apis/resource.k8s.io/v1"
 TOKEN = "mpsd-test-token"
@@ -74,7 +79,8 @@ def validate(obj: Obj) -> list[str]:
     except kubernetes_validate.ValidationError as e:
         path = "/".join(str(p) for p in e.path)
         return [f"schema {kubernetes_validate.latest_version()}: {path}: {e.message}"]
-    return resource_slice_errors(obj) if obj.get("kind") == "ResourceSlice" else []
+    rules = {"ResourceSlice": resource_slice_errors, "ResourceClaim": resource_claim_errors}.get(obj.get("kind"))
+    return rules(obj) if rules else []
 
 
 def status(code: int, reason: str, message: str) -> Obj:
@@ -169,6 +175,9 @@ class StandInAPIServer:
             self._httpd = None
 
     def put_claim(self, claim: Obj) -> None:
+        """Store a claim as the API server would hold it; one it would refuse fails the test."""
+        errors = validate(claim)
+        assert not errors, f"the API server would refuse this claim: {errors}"
         meta = claim["metadata"]
         with self.lock:
             self.claims[(meta["namespace"], meta["name"])] = json.loads(json.dumps(claim))

@@ -188,3 +188,33 @@ def test_admin_access_is_refused():
     c = claim()
     c["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
     _bad(c, "adminAccess is not supported")
+
+
+@pytest.mark.parametrize("request_ref, base", [("gpu", "gpu"), ("gpu/large", "gpu"), ("a-b/c-d", "a-b")])
+def test_results_name_the_base_request_of_a_subrequest(request_ref, base):
+    p = plan(claim(results=[result(request=request_ref)]))
+    assert [r.request for r in p.results] == [base]
+
+
+def consumed_rows() -> list[str]:
+    """The first cells of docs/dra.md's table of what a claim consumed."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "docs/dra.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("| the claim consumed |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip().startswith("|"):
+            break
+        rows.append(line.strip().split("|")[1].strip())
+    return rows
+
+
+def test_the_docs_list_only_what_the_scheduler_can_record():
+    """The scheduler records every capacity of a device that allows several allocations
+    (consumedCapacity: "All capacity entries are included, even if the consumed amount is zero",
+    resource.k8s.io/v1), and none for a device given whole (slices mode, or capacity mode on an
+    API server without DRAConsumableCapacity): "only memory" or "only compute" cannot happen."""
+    rows = consumed_rows()
+    assert not [r for r in rows if "only" in r], rows
+    assert len(rows) == 3 and rows[0].startswith("`memory` and `compute`")

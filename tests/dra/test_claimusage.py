@@ -30,7 +30,7 @@ def test_a_claims_series_carry_its_pods_caps_and_live_usage(env, holder_exe, shi
     env.claims.put(claim(results=[result(memory="20Gi", compute="30")], pods=("web-1", "web-0")))
     p = env.loaded()
     rec = p.prepare(ClaimRef("ns", "c1", "uid-1"))
-    holder = hold(holder_exe, os.path.join(rec.region_dir, "region"), f"0:{20 * GIB}:{300 * MIB}")
+    holder = hold(holder_exe, os.path.join(rec.region_dir, "region-gpu"), f"0:{20 * GIB}:{300 * MIB}")
     try:
         metrics = Metrics()
         rows = ClaimUsageReader(p.prepared, functools.partial(shim_usage, library=str(shim_lib)), metrics).tick()
@@ -55,7 +55,7 @@ def test_an_unreadable_region_counts_as_nothing_used(env, shim_lib, caplog):
     env.claims.put(claim())
     p = env.loaded()
     rec = p.prepare(ClaimRef("ns", "c1", "uid-1"))
-    os.symlink("/etc/passwd", os.path.join(rec.region_dir, "region"))  # a pod's trick: refused, not followed
+    os.symlink("/etc/passwd", os.path.join(rec.region_dir, "region-gpu"))  # a pod's trick: refused, not followed
     reader = ClaimUsageReader(p.prepared, functools.partial(shim_usage, library=str(shim_lib)), None)
     (row,) = reader.tick()
     assert row.used_bytes == 0
@@ -106,7 +106,7 @@ def test_a_refused_claim_region_is_counted_every_round(env, shim_lib):
     env.claims.put(claim())
     p = env.loaded()
     rec = p.prepare(ClaimRef("ns", "c1", "uid-1"))
-    os.symlink("/etc/passwd", os.path.join(rec.region_dir, "region"))
+    os.symlink("/etc/passwd", os.path.join(rec.region_dir, "region-gpu"))
     metrics = Metrics()
     reader = ClaimUsageReader(p.prepared, functools.partial(shim_usage, library=str(shim_lib)), metrics)
     reader.tick()

@@ -73,7 +73,7 @@ def rcs(stdout: str) -> list[tuple[str, int]]:
 
 def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fake_cuda_dir, cuclient):
     ids, plugin = prepared
-    assert ids == {"a": "mpsd.io/claim=uid-a", "b": "mpsd.io/claim=uid-b"}
+    assert ids == {"a": "mpsd.io/claim=uid-a_gpu", "b": "mpsd.io/claim=uid-b_gpu"}
     rec_a = plugin.preparer.store.get("claim-uid-a")
 
     # the environment, the shim, the region directory and the read-only pipe directory
@@ -85,7 +85,7 @@ def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fa
     assert seen["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4G"
     assert seen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert seen["CUDA_MPS_PIPE_DIRECTORY"] == env.paths.pipe_dir
-    assert seen["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so" and seen["MPSSHIM_REGION"] == "/run/mpsd/region"
+    assert seen["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so" and seen["MPSSHIM_REGION"] == "/run/mpsd/region-gpu"
     assert "libmpsshim.so" in r.stdout and "region-writable" in r.stdout and "pipe-read-only" in r.stdout
     assert os.path.exists(os.path.join(rec_a.region_dir, "probe"))  # the claim's own directory on the host
 
@@ -95,7 +95,7 @@ def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fa
                                           "alloc", str(512 * MIB)], fake_cuda_dir, cuclient)
     assert r.returncode == 0, r.output
     assert rcs(r.stdout)[-3:] == [("alloc", 0), ("alloc", 2), ("alloc", 0)], r.output  # 2: CUDA_ERROR_OUT_OF_MEMORY
-    assert os.path.exists(os.path.join(rec_a.region_dir, "region"))  # the shim's region, in the claim's directory
+    assert os.path.exists(os.path.join(rec_a.region_dir, "region-gpu"))  # the shim's region, in the claim's directory
 
     # claim b on the same GPU: its own 2 GiB cap
     r = run_claim(podman, env, ids["b"], [*client, "alloc", str(3 * GIB), "alloc", str(1536 * MIB),
@@ -103,4 +103,59 @@ def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fa
     assert r.returncode == 0, r.output
     assert rcs(r.stdout)[-3:] == [("alloc", 2), ("alloc", 0), ("alloc", 2)], r.output
     rec_b = plugin.preparer.store.get("claim-uid-b")
-    assert rec_b.region_dir != rec_a.region_dir and os.path.exists(os.path.join(rec_b.region_dir, "region"))
+    assert rec_b.region_dir != rec_a.region_dir and os.path.exists(os.path.join(rec_b.region_dir, "region-gpu"))
+
+
+@pytest.fixture
+def two_requests(env, shim_lib):
+    """One claim with two requests on GPU 0 (16 GiB): ``a`` 4Gi/25 %, ``b`` 2Gi/10 %, prepared
+    through a registered plugin over gRPC; yields (the claim's entry, the stand-in kubelet)."""
+    os.makedirs(env.paths.pipe_dir)
+    install_file(str(shim_lib), env.paths.shim_host_dir, SHIM_NAME)
+    env.claims.put(claim(uid="uid-c", name="c", results=[result(request="a", memory="4Gi", compute="25"),
+                                                         result(request="b", memory="2Gi", compute="10")]))
+    plugin = env.plugin(gpu_list=gpus(16))
+    plugin.start()
+    kubelet = StandInKubelet(plugin.registration_path)
+    kubelet.register()
+    entry = kubelet.prepare(("ns", "c", "uid-c")).claims["uid-c"]
+    assert entry.error == ""
+    yield entry, kubelet
+    kubelet.unprepare(("ns", "c", "uid-c"))
+    kubelet.close()
+    plugin.stop()
+
+
+def test_each_request_of_a_claim_has_its_own_cap_in_a_container(podman, env, two_requests, fake_cuda_dir, cuclient):
+    """The container naming request a is held to a's 4 GiB, the one naming b to b's 2 GiB, each
+    with its own region, though both requests are on the same GPU: naming b no longer gives a's
+    limits. A container naming the whole claim gets both CDI devices and podman applies them."""
+    entry, kubelet = two_requests
+    client = ["/opt/client/cuclient", "dlsym", "12000", "0", "init", "ctx", "0"]
+    show = ["sh", "-c", "echo LIMIT=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT PCT=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
+                        "REGION=$MPSSHIM_REGION"]
+
+    (a,) = kubelet.container_cdi_ids(entry, "a")
+    r = run_claim(podman, env, a, [*client, "alloc", str(3 * GIB), "alloc", str(2 * GIB), "alloc", str(512 * MIB)],
+                  fake_cuda_dir, cuclient)
+    assert r.returncode == 0, r.output
+    assert rcs(r.stdout)[-3:] == [("alloc", 0), ("alloc", 2), ("alloc", 0)], r.output
+    assert "LIMIT=0=4G PCT=25 REGION=/run/mpsd/region-a" in run_claim(podman, env, a, show, fake_cuda_dir,
+                                                                      cuclient).stdout
+
+    (b,) = kubelet.container_cdi_ids(entry, "b")
+    r = run_claim(podman, env, b, [*client, "alloc", str(3 * GIB), "alloc", str(1536 * MIB), "alloc", str(1 * GIB)],
+                  fake_cuda_dir, cuclient)
+    assert r.returncode == 0, r.output
+    assert rcs(r.stdout)[-3:] == [("alloc", 2), ("alloc", 0), ("alloc", 2)], r.output
+    assert "LIMIT=0=2G PCT=10 REGION=/run/mpsd/region-b" in run_claim(podman, env, b, show, fake_cuda_dir,
+                                                                      cuclient).stdout
+
+    whole = kubelet.container_cdi_ids(entry)
+    assert sorted(whole) == sorted([a, b])
+    r = podman.run(show, devices=whole, cdi_spec_dir=env.cdi_dir, timeout=120)
+    assert r.returncode == 0, r.output
+    # MPS has one limit list and one percentage per process, the shim one region: the runtime's
+    # merge of the two devices gives one request's three, never a mix (docs/dra.md, Limitations)
+    assert r.stdout.strip() in ("LIMIT=0=4G PCT=25 REGION=/run/mpsd/region-a",
+                                "LIMIT=0=2G PCT=10 REGION=/run/mpsd/region-b"), r.output

@@ -3,6 +3,7 @@ the same protos: registration, NodePrepareResources, NodeUnprepareResources."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from mpsd.dra import pluginregistration_pb2, pluginregistration_pb2_grpc
 
-from .conftest import DRIVER, StandInKubelet, claim, result
+from .conftest import DRIVER, StandInKubelet, claim, gpus, result
 
 CLAIM = ("ns", "c1", "uid-1")
 
@@ -60,8 +61,8 @@ def test_prepare_and_unprepare_through_v1(env, served):
     entry = reply.claims["uid-1"]
     assert entry.error == ""
     assert [(d.request_names[0], d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in entry.devices] == [
-        ("gpu", "node-a", "gpu-0", ["mpsd.io/claim=uid-1"]),
-        ("b", "node-a", "gpu-1", ["mpsd.io/claim=uid-1"]),
+        ("gpu", "node-a", "gpu-0", ["mpsd.io/claim=uid-1_gpu"]),
+        ("b", "node-a", "gpu-1", ["mpsd.io/claim=uid-1_b"]),
     ]
     assert (env.cdi_dir / "mpsd.io-claim_uid-1.json").exists()
     assert k.prepare(CLAIM) == reply  # the kubelet's retry: the same answer
@@ -76,7 +77,7 @@ def test_a_kubelet_that_knows_only_v1beta1_is_served_too(env, served):
     k = kubelet(start(), services=("v1beta1.DRAPlugin",))
     assert k.register() == "v1beta1.DRAPlugin"
     entry = k.prepare(CLAIM).claims["uid-1"]
-    assert list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1"]
+    assert list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1_gpu"]
     assert k.unprepare(CLAIM).claims["uid-1"].error == ""
 
 
@@ -238,3 +239,76 @@ def test_pod_uid_must_be_a_file_name_part(value, ok):
     else:
         with pytest.raises(PluginError, match="^bad POD_UID .*expected a pod UID"):
             instance_id({"POD_UID": value})
+def test_a_subrequest_of_a_prioritized_list_gives_its_container_the_claims_device(env, served):
+    """firstAvailable (prioritized list: beta in 1.34-1.35, GA in 1.36): the scheduler records the
+    alternative it picked as ``gpu/large``. The kubelet matches a container's
+    ``resources.claims[].request`` (``gpu``) literally against the request names of each device,
+    so the answer must name the base request (what the DRA helper's BaseRequestRef returns), or
+    that container starts with no CDI device at all: no MPS limits, no shim, no pipe dir."""
+    start, kubelet = served
+    env.claims.put(claim(results=[result(request="gpu/large", memory="40Gi", compute="50")]))
+    k = kubelet(start())
+    k.register()
+    entry = k.prepare(CLAIM).claims["uid-1"]
+    assert entry.error == ""
+    assert [list(d.request_names) for d in entry.devices] == [["gpu"]]
+    ids = k.container_cdi_ids(entry, "gpu")
+    assert ids and ids == k.container_cdi_ids(entry)  # the container naming request gpu, and the whole claim
+    spec = json.loads((env.cdi_dir / "mpsd.io-claim_uid-1.json").read_text())
+    env_vars = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+    assert env_vars["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40G" and env_vars["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+def test_the_share_id_of_a_result_is_answered_on_v1(env, served):
+    """A device allocated several times (capacity mode) has a shareID per allocation; 1.35's v1
+    API carries it back (Device.share_id); a result without one leaves the field unset."""
+    start, kubelet = served
+    shared = {**result(memory="4Gi", compute="5"), "shareID": "5d3c0e0a-8a38-4a8e-9c1f-2b7f0b1e9a10"}
+    env.claims.put(claim(results=[shared, result(device="gpu-1", request="b", memory="4Gi", compute="10")]))
+    k = kubelet(start())
+    k.register()
+    devices = k.prepare(CLAIM).claims["uid-1"].devices
+    assert [(d.device_name, d.HasField("share_id"), d.share_id) for d in devices] == [
+        ("gpu-0", True, "5d3c0e0a-8a38-4a8e-9c1f-2b7f0b1e9a10"), ("gpu-1", False, "")]
+
+
+def spec_devices(env, uid="uid-1") -> dict[str, dict]:
+    """The CDI devices of a claim's spec by CDI ID, each as {env var: value, "mounts": ..., "nodes": ...}."""
+    spec = json.loads((env.cdi_dir / f"mpsd.io-claim_{uid}.json").read_text())
+    out = {}
+    for d in spec["devices"]:
+        edits = d["containerEdits"]
+        out[f"{spec['kind']}={d['name']}"] = {
+            **dict(e.split("=", 1) for e in edits["env"]),
+            "mounts": {m["containerPath"]: m["hostPath"] for m in edits["mounts"]},
+            "nodes": [n["path"] for n in edits.get("deviceNodes", [])],
+        }
+    return out
+
+
+def test_each_request_of_a_claim_is_its_own_cdi_device_with_its_own_gpus_and_limits(env, served):
+    """A container naming request b gets b's GPU and b's limits only, not a's; one naming the
+    whole claim gets every request's device. Each request's processes share a region of their
+    own (its cap), in the claim's directory."""
+    start, kubelet = served
+    for name in ("nvidiactl", "nvidia0", "nvidia1"):
+        (env.root / "dev" / name).touch()
+    env.claims.put(claim(results=[result(memory="20Gi", compute="30"),
+                                  result(device="gpu-1", request="b", memory="4Gi", compute="10")]))
+    k = kubelet(start())
+    k.register()
+    entry = k.prepare(CLAIM).claims["uid-1"]
+    assert entry.error == ""
+    ids_gpu, ids_b = k.container_cdi_ids(entry, "gpu"), k.container_cdi_ids(entry, "b")
+    assert len(ids_gpu) == len(ids_b) == 1 and ids_gpu != ids_b
+    assert sorted(k.container_cdi_ids(entry)) == sorted(ids_gpu + ids_b)
+    devices = spec_devices(env)
+    a, b = devices[ids_gpu[0]], devices[ids_b[0]]
+    gpu0, gpu1 = (g.uuid for g in gpus(80, 40))
+    assert (a["NVIDIA_VISIBLE_DEVICES"], a["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], a["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) \
+        == (gpu0, "0=20G", "30")
+    assert (b["NVIDIA_VISIBLE_DEVICES"], b["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], b["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) \
+        == (gpu1, "0=4G", "10")
+    assert str(env.root / "dev" / "nvidia1") not in a["nodes"] and str(env.root / "dev" / "nvidia0") not in b["nodes"]
+    assert a["MPSSHIM_REGION"] != b["MPSSHIM_REGION"]  # a cap each
+    assert a["mounts"]["/run/mpsd"] == b["mounts"]["/run/mpsd"]  # one claim directory

@@ -13,7 +13,8 @@ import textwrap
 import pytest
 
 from mpsd.dra.claims import ClaimRef
-from mpsd.dra.prepared import PREPARED
+from mpsd.dra import cdi
+from mpsd.dra.prepared import PREPARED, PreparedClaim
 from mpsd.errors import DraError, MpsdError
 
 from .conftest import GIB, NODE, claim, opaque, result
@@ -38,7 +39,7 @@ def test_prepare_writes_a_directory_and_a_spec_and_records_them(env):
     assert oct(os.stat(rec.region_dir).st_mode & 0o777) == "0o777"
     assert specs == ["mpsd.io-claim_uid-1.json"]
     spec = json.loads((env.cdi_dir / specs[0]).read_text())
-    assert spec["devices"][0]["name"] == "uid-1"
+    assert spec["devices"][0]["name"] == "uid-1_gpu"
     # a restarted mpsd knows it
     assert [r.uid for r in env.loaded().prepared()] == ["uid-1"]
 
@@ -88,7 +89,7 @@ def test_a_changed_spec_is_written_again(env):
     rec = p.prepare(REF)
     (env.cdi_dir / rec.spec_name).write_text('{"cdiVersion": "0.5.0", "kind": "mpsd.io/claim", "devices": []}')
     p.prepare(REF)
-    assert json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"][0]["name"] == "uid-1"
+    assert json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"][0]["name"] == "uid-1_gpu"
 
 
 @pytest.mark.parametrize("setup, match", [
@@ -266,3 +267,44 @@ def test_a_journal_that_cannot_be_written_fails_every_claim_of_the_call_and_leav
     out = p.prepare_many([ClaimRef("ns", "c0", "uid-0"), ClaimRef("ns", "c1", "uid-1")])
     assert all("No space left on device" in out[u] and "\n" not in out[u] for u in ("uid-0", "uid-1"))
     assert files(env) == ([], [])
+
+
+def test_a_claim_recorded_before_requests_had_devices_keeps_its_one_device(env):
+    """A record written by an mpsd before per-request devices (no ``requests``): its running
+    containers name ``mpsd.io/claim=<uid>`` and a restart names it again, so the spec written back
+    after an upgrade still has that one device, with the claim's limits and its ``region``."""
+    env.claims.put(claim(results=[result(memory="20Gi", compute="25")]))
+    p = env.loaded()
+    rec = p.prepare(REF)
+    old = {k: v for k, v in rec.to_json().items() if k != "requests"}
+    p.store.put_many([PreparedClaim.from_json(old)])
+    p.store.close()
+    (env.cdi_dir / rec.spec_name).unlink()  # a reboot emptied /var/run/cdi
+    again = env.loaded()
+    (device,) = json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"]
+    edits = dict(e.split("=", 1) for e in device["containerEdits"]["env"])
+    assert (device["name"], edits["MPSSHIM_REGION"], edits["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
+        "uid-1", "/run/mpsd/region", "0=20G")
+    assert again.prepare(REF).requests == ()
+
+
+@pytest.mark.parametrize("request_name", ["B", "a_b", "-a", "a" * 64, "a/b"])
+def test_a_request_name_that_cannot_name_a_cdi_device_is_refused(request_name):
+    with pytest.raises(DraError, match="bad request name"):
+        cdi.device_name("uid-1", request_name)
+
+
+def test_device_nodes_are_named_by_nvmls_minor_number_not_the_index(env):
+    """GPU 0 whose minor number is 3 is /dev/nvidia3: its container must not get /dev/nvidia0
+    (another GPU's node, or none)."""
+    from mpsd.inventory import Gpu
+
+    for name in ("nvidiactl", "nvidia0", "nvidia3"):
+        (env.root / "dev" / name).touch()
+    listed = [Gpu(0, "GPU-00000000-aaaa-bbbb-cccc-000000000000", "Fake H100", 80 * GIB, 0, (9, 0), False, 3)]
+    env.claims.put(claim(results=[result(memory="20Gi")]))
+    p = env.loaded(gpu_list=listed)
+    rec = p.prepare(REF)
+    (device,) = json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"]
+    assert [n["path"] for n in device["containerEdits"]["deviceNodes"]] == [
+        str(env.root / "dev" / "nvidiactl"), str(env.root / "dev" / "nvidia3")]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.dra import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+from mpsd.dra import dra_health_v1_pb2, dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 DRA = [(dra_v1_pb2, "v1"), (dra_v1beta1_pb2, "v1beta1")]
@@ -55,6 +55,18 @@ def test_dra_field_numbers(module, version, message, field, number, repeated):
     assert (desc.number, desc.is_repeated) == (number, repeated)
 
 
+def test_v1_devices_carry_the_optional_share_id_of_1_35():
+    """k8s.io/kubelet/pkg/apis/dra/v1/api.proto (1.35): ``optional string share_id = 5`` in Device,
+    the allocation result's shareID of a device that allows several allocations. Wire-compatible:
+    a kubelet that does not know it skips it; field presence tells "none" from ""."""
+    desc = dra_v1_pb2.DESCRIPTOR.message_types_by_name["Device"].fields_by_name["share_id"]
+    assert (desc.number, desc.type, desc.has_presence) == (5, desc.TYPE_STRING, True)
+    assert not dra_v1_pb2.Device().HasField("share_id")
+    device = dra_v1_pb2.Device(device_name="gpu-0", share_id="5d3c0e0a")
+    assert dra_v1beta1_pb2.Device.FromString(device.SerializeToString()).device_name == "gpu-0"
+    assert "share_id" not in dra_v1beta1_pb2.Device.DESCRIPTOR.fields_by_name  # not in v1beta1
+
+
 @pytest.mark.parametrize("module, version", DRA)
 def test_response_claims_are_maps_keyed_by_uid(module, version):
     for message, value in (("NodePrepareResourcesResponse", "NodePrepareResourceResponse"),
@@ -97,7 +109,44 @@ def test_v1beta1_bytes_read_as_v1():
     assert v1.claims["u"].devices[0].cdi_device_ids == ["a/b=c"]
 
 
-@pytest.mark.parametrize("proto", ["dra_v1", "dra_v1beta1", "pluginregistration"])
+HEALTH = [(dra_health_v1_pb2, "v1"), (dra_health_v1alpha1_pb2, "v1alpha1")]
+# (message, field, number) of k8s.io/kubelet/pkg/apis/dra-health/{v1,v1alpha1}/api.proto
+HEALTH_FIELDS = [
+    ("DeviceIdentifier", "pool_name", 1), ("DeviceIdentifier", "device_name", 2),
+    ("DeviceHealth", "device", 1), ("DeviceHealth", "health", 2), ("DeviceHealth", "last_updated_time", 3),
+    ("DeviceHealth", "health_check_timeout_seconds", 4), ("DeviceHealth", "message", 5),
+    ("NodeWatchResourcesResponse", "devices", 1),
+]
+
+
+@pytest.mark.parametrize("module, package", HEALTH)
+def test_health_service_has_the_kubelets_name_and_a_server_stream(module, package):
+    """The kubelet matches ``<package>.DRAResourceHealth`` in the registration's supported
+    versions against the service's full name (TestServiceNameConstants in k8s.io/kubelet)."""
+    desc = module.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+    assert desc.full_name == f"{package}.DRAResourceHealth"
+    (method,) = desc.methods
+    assert (method.name, method.server_streaming, method.client_streaming) == ("NodeWatchResources", True, False)
+    assert {v.name: v.number for v in module.DESCRIPTOR.enum_types_by_name["HealthStatus"].values} == {
+        "UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+
+
+@pytest.mark.parametrize("module, package", HEALTH)
+@pytest.mark.parametrize("message, field, number", HEALTH_FIELDS)
+def test_health_field_numbers(module, package, message, field, number):
+    assert module.DESCRIPTOR.message_types_by_name[message].fields_by_name[field].number == number
+
+
+def test_v1alpha1_health_bytes_read_as_v1():
+    alpha = dra_health_v1alpha1_pb2.NodeWatchResourcesResponse(devices=[dra_health_v1alpha1_pb2.DeviceHealth(
+        device=dra_health_v1alpha1_pb2.DeviceIdentifier(pool_name="p", device_name="gpu-0"),
+        health=dra_health_v1alpha1_pb2.UNHEALTHY, health_check_timeout_seconds=30, message="down")])
+    v1 = dra_health_v1_pb2.NodeWatchResourcesResponse.FromString(alpha.SerializeToString())
+    assert (v1.devices[0].health, v1.devices[0].message) == (dra_health_v1_pb2.UNHEALTHY, "down")
+
+
+@pytest.mark.parametrize("proto", ["dra_v1", "dra_v1beta1", "pluginregistration", "dra_health_v1",
+                                   "dra_health_v1alpha1"])
 def test_generated_code_is_up_to_date(tmp_path, proto):
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I", str(REPO), f"--python_out={tmp_path}",

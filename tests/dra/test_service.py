@@ -26,6 +26,7 @@ class Running:
 
     def __init__(self, env, config, library):
         self.gpus = list(GPUS)  # what the inventory lists now
+        self.board = HealthBoard()  # the supervisor's: the daemon is starting
         self.stop_event = threading.Event()
         self.errors: list[Exception] = []
         self.thread = threading.Thread(target=self._serve, args=(env, config, library))
@@ -40,7 +41,7 @@ class Running:
 
     def _serve(self, env, config, library):
         try:
-            service.run_dra(config, pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=HealthBoard(), metrics=None,
+            service.run_dra(config, pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=self.board, metrics=None,
                             shim_library=str(library), stop=self.stop_event, gpu_lister=lambda: self.gpus)
         except Exception as exc:  # reported by stop()
             self.errors.append(exc)
@@ -53,11 +54,8 @@ class Running:
         assert not self.reg.exists()  # deregistered on the way out
 
 
-@pytest.fixture
-def running(env, kubeconfig, monkeypatch, tmp_path):
-    monkeypatch.setenv("NODE_NAME", NODE)
-    monkeypatch.setattr(service, "API_TIMEOUT", 1.0)
-    monkeypatch.setattr(service, "PUBLISH_INTERVAL", 0.1)
+def dra_config(env, tmp_path):
+    """(a stand-in shim library, mpsd's config with the DRA driver on, over ``env``'s directories)."""
     library = tmp_path / "libmpsshim.so"
     library.write_bytes(b"\x7fELF")
     config = cfg.load(None, {}, {
@@ -65,6 +63,15 @@ def running(env, kubeconfig, monkeypatch, tmp_path):
         "dra-cdi-dir": str(env.cdi_dir), "region-dir": env.paths.region_dir, "shim-host-dir": env.paths.shim_host_dir,
         "state-dir": str(env.root / "state"),
     })
+    return library, config
+
+
+@pytest.fixture
+def running(env, kubeconfig, monkeypatch, tmp_path):
+    monkeypatch.setenv("NODE_NAME", NODE)
+    monkeypatch.setattr(service, "API_TIMEOUT", 1.0)
+    monkeypatch.setattr(service, "PUBLISH_INTERVAL", 0.1)
+    library, config = dra_config(env, tmp_path)
     r = Running(env, config, library)
     yield r
     if r.thread.is_alive():
@@ -150,7 +157,7 @@ def test_a_malformed_slice_list_is_retried_and_never_ends_the_plugin(apiserver, 
 def test_a_claim_on_the_api_server_is_prepared_and_unprepared(env, apiserver, running):
     apiserver.put_claim(claim(results=[result(memory="20Gi", compute="25")]))
     entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
-    assert entry.error == "" and list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1"]
+    assert entry.error == "" and list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1_gpu"]
     assert (env.cdi_dir / "mpsd.io-claim_uid-1.json").exists()
     assert os.path.exists(os.path.join(env.paths.shim_host_dir, "libmpsshim.so"))
     assert any(m == "GET" and "/namespaces/ns/resourceclaims/c1" in u for m, u in apiserver.requests)
@@ -207,3 +214,50 @@ def test_mpsd_run_starts_the_dra_plugin_and_a_failure_makes_the_node_not_ready(t
     assert calls and calls[0]["shim_library"] == str(library) and calls[0]["state_dir"] == str(tmp_path)
     assert _ready(board, None, run) == (False, "DRA plugin stopped: get Node n: cannot reach the API server: "
                                                "connection refused")
+
+
+GPU1 = Gpu(1, "GPU-00000001-aaaa-bbbb-cccc-000000000001", "Fake H100", 80 * GIB, 0, (9, 0), False)
+
+
+def test_a_subrequest_claim_on_the_api_server_reaches_its_container(apiserver, running):
+    """A claim with a prioritized list, validated as the API server validates it, prepared end to
+    end: the container naming the request gets the CDI device of the alternative picked."""
+    apiserver.put_claim(claim(results=[result(request="gpu/small", memory="8Gi", compute="10")]))
+    entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
+    assert entry.error == "" and running.kubelet.container_cdi_ids(entry, "gpu") == ["mpsd.io/claim=uid-1_gpu"]
+
+
+def test_the_kubelet_sees_the_boards_health_and_a_gpu_nvml_lost(apiserver, running):
+    """mpsd run's DRA plugin serves device health from the supervisor's board: unhealthy while
+    the daemon starts, healthy once it is configured; a GPU that NVML stops listing is unhealthy
+    for the claim still prepared on it."""
+    watch = running.kubelet.watch_health()
+    assert watch.wait(lambda w: w.health(NODE, "gpu-0") == ("unhealthy", "MPS daemon down: starting"))
+    running.board.update(daemon_up=True, configured=True)
+    assert watch.wait(lambda w: w.health(NODE, "gpu-0") == ("healthy", ""))
+    running.gpus = [*GPUS, GPU1]
+    assert wait_for(lambda: watch.health(NODE, "gpu-1") == ("healthy", ""))
+    apiserver.put_claim(claim(results=[result(device="gpu-1", memory="4Gi", compute="5")]))
+    assert running.kubelet.prepare(CLAIM).claims["uid-1"].error == ""
+    running.gpus = list(GPUS)  # NVML lists GPU 0 only
+    assert watch.wait(lambda w: w.health(NODE, "gpu-1") == ("unhealthy", f"NVML no longer lists GPU 1 ({GPU1.uuid})"))
+    assert watch.health(NODE, "gpu-0") == ("healthy", "")
+
+
+def test_the_driver_version_nvml_reports_is_published(env, apiserver, kubeconfig, monkeypatch, tmp_path):
+    """docs/dra.md lists a driverVersion attribute (NVIDIA's 580.95.05 as semver 580.95.5): run_dra
+    publishes what NVML reports."""
+    monkeypatch.setenv("NODE_NAME", NODE)
+    library, config = dra_config(env, tmp_path)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run_dra, args=(config,), kwargs=dict(
+        pipe_dir=env.paths.pipe_dir, gpus=GPUS, board=HealthBoard(), metrics=None, shim_library=str(library),
+        stop=stop, driver_version=lambda: "580.95.05"))
+    thread.start()
+    try:
+        assert wait_for(lambda: apiserver.pool_slices("gpu.mpsd.io", NODE))
+        (slice_,) = apiserver.pool_slices("gpu.mpsd.io", NODE)
+        assert slice_["spec"]["devices"][0]["attributes"]["driverVersion"] == {"version": "580.95.5"}
+    finally:
+        stop.set()
+        thread.join(30)

@@ -24,6 +24,9 @@
  *                                            their limits in <state_file>, shared by every process
  *                                            (fake_nvml_limits.c); without it they answer
  *                                            NOT_SUPPORTED
+ *   minor <gpu_index> <minor>                nvmlDeviceGetMinorNumber (default: the index; the
+ *                                            driver numbers /dev/nvidia<minor> on its own, so
+ *                                            the two differ on real machines)
  *
  * Errors: FAKE_NVML_CONFIG unset, or its file unreadable → nvmlInit* returns
  * NVML_ERROR_DRIVER_NOT_LOADED (9), as the real library does on a machine without the
@@ -56,6 +59,7 @@ struct nvmlDevice_st {
     int cc_minor;
     unsigned int mig;
     int mig_supported;
+    unsigned int minor;
 };
 
 typedef struct {
@@ -161,6 +165,7 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         g->cc_minor = (int)cmin;
         g->mig = mig;
         g->mig_supported = 1;
+        g->minor = idx;
         g_ngpus++;
         return NULL;
     }
@@ -211,7 +216,15 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         copy_str(g_memlimits, sizeof(g_memlimits), w[1]);
         return NULL;
     }
-    return "unknown directive (gpu, proc, compute, driver, fail, nomig, memlimits)";
+    if (strcmp(w[0], "minor") == 0) {
+        unsigned int idx, minor;
+        if (n != 3 || parse_uint(w[1], &idx) != 0 || idx >= g_ngpus || parse_uint(w[2], &minor) != 0 ||
+            minor > 255)
+            return "minor needs the index of a gpu defined above and a minor number 0..255";
+        g_gpus[idx].minor = minor;
+        return NULL;
+    }
+    return "unknown directive (gpu, proc, compute, driver, fail, nomig, memlimits, minor)";
 }
 
 /* Reads the file into the tables; called with g_lock held. */
@@ -556,6 +569,19 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t handle, unsigned int 
         return NVML_ERROR_NOT_SUPPORTED;
     *current = d->mig;
     *pending = d->mig;
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t handle, unsigned int *minor);
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t handle, unsigned int *minor)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t rc = enter(__func__);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((d = device(handle)) == NULL || minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minor = d->minor;
     return NVML_SUCCESS;
 }
 

@@ -52,8 +52,8 @@ def open_inventory(fake_nvml_lib: Path, nvml_config) -> Iterator:
 def test_gpus_have_every_field(open_inventory) -> None:
     inv = open_inventory(CONFIG + "nomig 1\n")
     assert inv.gpus() == [
-        Gpu(0, A100[0], "NVIDIA A100-SXM4-80GB", 80 * GIB, 5 * GIB, (8, 0), True),
-        Gpu(1, T4[0], "Tesla T4", 15 * GIB, 0, (7, 5), False),
+        Gpu(0, A100[0], "NVIDIA A100-SXM4-80GB", 80 * GIB, 5 * GIB, (8, 0), True, 0),
+        Gpu(1, T4[0], "Tesla T4", 15 * GIB, 0, (7, 5), False, 1),
     ]
     assert inv.driver_version() == "550.163.01"
 
@@ -223,6 +223,18 @@ gpu_strategy = st.builds(
 def test_inventory_reports_exactly_what_the_driver_has(fake_nvml_lib: Path, gpus, procs) -> None:
     procs = [(gpu % len(gpus), pid, used) for gpu, pid, used in procs]
     with _fake_config(nvml_config_text(gpus=gpus, mps_clients=procs)), Inventory(str(fake_nvml_lib)) as inv:
-        assert inv.gpus() == [Gpu(i, g[0], g[5], g[1], g[2], g[3], g[4]) for i, g in enumerate(gpus)]
+        assert inv.gpus() == [Gpu(i, g[0], g[5], g[1], g[2], g[3], g[4], i) for i, g in enumerate(gpus)]
         expected = sorted(procs, key=lambda p: p[0])  # the fake lists per GPU in file order
         assert inv.mps_clients() == [Client(*p) for p in expected]
+
+
+def test_gpus_carry_nvmls_minor_number(open_inventory) -> None:
+    """/dev/nvidia<N> is numbered by the driver's minor number, not by the NVML index (they
+    differ, e.g. when a GPU is hidden or after a hot-plug): NVML tells the minor number."""
+    inv = open_inventory(CONFIG + "minor 0 3\nminor 1 0\n")
+    assert [(g.index, g.minor_number) for g in inv.gpus()] == [(0, 3), (1, 0)]
+
+
+def test_a_gpu_whose_minor_number_nvml_does_not_offer_has_none(open_inventory) -> None:
+    inv = open_inventory(CONFIG + "fail nvmlDeviceGetMinorNumber 3\n")
+    assert [g.minor_number for g in inv.gpus()] == [None, None]

@@ -31,6 +31,7 @@ REPLACED = {  # family -> the setter that replaces its labelled group (exercised
     "mpsd_claim_compute_percent": "set_claims",
     "mpsd_claim_memory_used_bytes": "set_claims",
     "mpsd_dra_device_tainted": "set_device_taints",
+    "mpsd_dra_device_health": "set_dra_device_health",
 }
 
 

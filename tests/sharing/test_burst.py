@@ -69,7 +69,7 @@ def test_burst_is_lent_under_v3_with_memory_partitioning(nvml, node, cgroot, sho
     ns = {n.name: n.limits for n in backend.control().namespace_list("g0")}[namespace_name(rec.allocation_id)]
     assert ns.pinned_memory_limit == "20G"
     # the journal keeps it: a restarted preparer asks for the same
-    assert preparer.request(rec).memory_hard == {0: 20 * GIB}
+    assert preparer.slices(rec)[0].memory_hard == {0: 20 * GIB}
 
 
 def test_burst_is_refused_where_the_driver_cannot_enforce_it(node, short_tmp):  # noqa: F811

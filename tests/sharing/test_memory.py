@@ -175,7 +175,7 @@ def test_a_claims_pod_cgroup_is_limited_at_prepare_restored_and_cleared(nvml, no
     assert inventory.memory_limits(0, str(pod_cg))[:2] == (10 * GIB, 10 * GIB)
     env = env_of(preparer, rec)
     assert "LD_PRELOAD" not in env and "MPSSHIM_REGION" not in env  # shim auto: the driver holds the pod
-    assert "driver per pod cgroup" in backend.enforcement(preparer.request(rec))
+    assert "driver per pod cgroup" in backend.enforcement(preparer.slices(rec)[0])
 
     inventory.set_memory_limits(0, str(pod_cg), 0, 70 * GIB)  # changed behind mpsd's back
     notes = backend.memory_round()
