@@ -7,13 +7,35 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 from . import independent
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .health import HealthBoard
+    from .supervisor import Status
 
 log = logging.getLogger("mpsd.supervisor")
 
 
 class AdoptionMixin:
+    # what it uses of mpsd.supervisor.Supervisor
+    config: Config
+    board: HealthBoard
+    _said: str
+    _adopting: bool
+    _applied: Config
+    _defaults_stale: bool
+    _verdict_at: float
+    _next_at: float | None
+
+    if TYPE_CHECKING:
+        def _publish(self, **changes: Any) -> None: ...
+        def _health_check(self) -> None: ...
+        def _failed(self, message: str, quiet: bool = False) -> None: ...
+        def status(self) -> Status: ...
+
     def _adopt(self, daemon: independent.AdoptedDaemon) -> None:
         """A running daemon, proven genuine, supervised from now on: nothing is sent to it but
         the health check, which reads its defaults back and sets those that differ (no quit, no

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from . import config as cfg
 from .control import Control
@@ -156,7 +156,7 @@ class DaemonProcess:
             return False
 
 
-def quit_daemon(control: Control, daemon, limit: float) -> str:
+def quit_daemon(control: Control | Quitter, daemon, limit: float) -> str:
     """``quit -t LIMIT`` through ``control``, a wait of up to ``limit`` seconds in all, then
     SIGKILL of what is left of ``daemon`` and its servers: "stopped (quit)" or "killed ..."."""
     began = time.monotonic()
@@ -170,6 +170,12 @@ def quit_daemon(control: Control, daemon, limit: float) -> str:
     daemon.kill()  # also servers left in its session
     daemon.wait(5.0)
     return "stopped (quit)" if quitted else f"killed: still running {limit:g}s after quit"
+
+
+class Quitter(Protocol):
+    """What quit_daemon needs of a front-end: ``quit -t`` (mpsd.control.Control has it)."""
+
+    def quit(self, timeout_s: int, wait: float) -> None: ...
 
 
 class LogFile:

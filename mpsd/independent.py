@@ -72,8 +72,11 @@ class AdoptedDaemon:
         self._watcher.start()
 
     def _watch(self, on_exit: Callable[["AdoptedDaemon", int | None], None]) -> None:
-        ready, _, _ = select.select([self._pidfd, self._wake_r], [], [])
-        if self._pidfd in ready and self._wake_r not in ready:
+        pidfd = self._pidfd
+        if pidfd is None:
+            return
+        ready, _, _ = select.select([pidfd, self._wake_r], [], [])
+        if pidfd in ready and self._wake_r not in ready:
             on_exit(self, None)
 
     def alive(self) -> bool:
@@ -173,7 +176,7 @@ def _self_cgroup() -> str:
 
 
 def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], None],
-           on_refused: Callable[[Refused], None]) -> AdoptedDaemon:  # fmt: skip
+           on_refused: Callable[[Refused], object]) -> AdoptedDaemon:  # fmt: skip
     """The pipe dir's genuine daemon, adopted; where none runs and no holder keeps one, one
     started detached. Waiting while a holder (or a daemon that is starting) is to bring one up;
     Refused (one line) for a daemon that is not adopted; SetupError, ControlError at a start.

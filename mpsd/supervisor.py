@@ -70,7 +70,7 @@ class Supervisor(AdoptionMixin):
         # SimpleQueue: its put is reentrant. A signal handler runs in the main thread between two
         # bytecodes, possibly while the loop is inside get() holding a queue.Queue's lock.
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._daemon: DaemonProcess | None = None
+        self._daemon: DaemonProcess | independent.AdoptedDaemon | None = None
         self._status = Status()
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
@@ -244,16 +244,17 @@ class Supervisor(AdoptionMixin):
         self._events.put(("exited", daemon, returncode))
 
     def _on_exited(self, daemon, returncode: int | None) -> None:
-        if daemon is not self._daemon:
+        current = self._daemon
+        if current is None or daemon is not current:
             return  # one we already retired
         self._daemon = None
-        daemon.kill()  # its servers, if any are left
-        daemon.release()
+        current.kill()  # its servers, if any are left
+        current.release()
         status = "" if returncode is None else f" (status {returncode})"  # None: not mpsd's child
-        if daemon.retired_because:  # killed by us: the reason stays what /readyz says until the restart
-            self._failed(f"{daemon.retired_because}; killed{status}")
+        if current.retired_because:  # killed by us: the reason stays what /readyz says until the restart
+            self._failed(f"{current.retired_because}; killed{status}")
         else:
-            self._failed(f"daemon pid={daemon.pid} exited" + (f" with status {returncode}" if status else ""))
+            self._failed(f"daemon pid={current.pid} exited" + (f" with status {returncode}" if status else ""))
 
     def _failed(self, message: str, quiet: bool = False) -> None:
         failures = self.status().failures_in_row + 1
@@ -336,14 +337,16 @@ class Supervisor(AdoptionMixin):
         )
         self._next_at = time.monotonic() + self.config.health_interval
 
-    def _refuse_impostor(self, daemon: DaemonProcess, names: tuple[str, ...] = peer.CONTROL_SOCKETS) -> None:
+    def _refuse_impostor(self, daemon: DaemonProcess | independent.AdoptedDaemon,
+                         names: tuple[str, ...] = peer.CONTROL_SOCKETS) -> None:
         """ControlImpostor (counted) if a control socket is served by another process than ``daemon``."""
         found = peer.impostor(self.config.pipe_dir, daemon.pid, names)
         if found:
             self._publish(impostors=self.status().impostors + 1)
             raise ControlImpostor(f"control socket impostor: {found}; the daemon is restarted to take its sockets back")
 
-    def _inconclusive(self, daemon: DaemonProcess, exc: ControlError, holders: list[int]) -> None:
+    def _inconclusive(self, daemon: DaemonProcess | independent.AdoptedDaemon, exc: ControlError,
+                      holders: list[int]) -> None:
         """No verdict: another front-end holds the daemon. It is not killed (that would hand the
         holder a lever on every client); past verdictTimeout /readyz says so (docs/operations.md)."""
         self._silent_checks, age = (daemon.pid, 0), time.monotonic() - self._verdict_at

@@ -37,6 +37,7 @@ from .v3 import V3Backend
 if TYPE_CHECKING:
     from ..config import Config
     from ..daemon import DaemonProcess
+    from ..independent import AdoptedDaemon
     from ..supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class V3Supervision:
 
     # -- a health round -----------------------------------------------------------------------
 
-    def _refuse_namespace_impostor(self, sup: "Supervisor", daemon: "DaemonProcess") -> None:
+    def _refuse_namespace_impostor(self, sup: "Supervisor", daemon: "DaemonProcess | AdoptedDaemon") -> None:
         """ControlImpostor (counted) if a live namespace's socket is served by a process that is
         neither the daemon nor one it started (a server may serve its namespaces' sockets)."""
         for name in self.backend.namespace_sockets():
@@ -136,7 +137,7 @@ class V3Supervision:
             raise ControlImpostor(f"control socket impostor: {path} is served by {peer.describe(pid)}, not by the "
                                   f"daemon pid {daemon.pid} or its servers; the daemon is restarted to take it back")
 
-    def health_check(self, sup: "Supervisor", daemon: "DaemonProcess") -> None:
+    def health_check(self, sup: "Supervisor", daemon: "DaemonProcess | AdoptedDaemon") -> None:
         """One round for a v3 daemon, with the supervisor's verdicts (retire, inconclusive,
         hung after HUNG_AFTER silent rounds) as for v2."""
         from ..supervisor import HUNG_AFTER

@@ -38,7 +38,8 @@ def test_once_per_key_forgets_the_oldest_beyond_its_limit() -> None:
 def test_claim_regions_that_ever_failed_are_not_all_remembered(caplog: pytest.LogCaptureFixture) -> None:
     def claims(batch: int) -> list[SimpleNamespace]:  # 100 claims at a time, then others
         names = ["stuck"] + [f"c{batch}-{i}" for i in range(99)]
-        return [SimpleNamespace(uid=n, namespace="ns", name=n, region_dir=f"/nonexistent/{n}", gpus=()) for n in names]
+        return [SimpleNamespace(uid=n, namespace="ns", name=n, region_dir=f"/nonexistent/{n}", gpus=(),
+                                request_plans=lambda: [(None, SimpleNamespace(gpus=()))]) for n in names]
 
     now = [claims(0)]
     reader = ClaimUsageReader(lambda: now[0], refuse, None)

@@ -66,7 +66,7 @@ def test_burst_is_lent_under_v3_with_memory_partitioning(nvml, node, cgroot, sho
     preparer = preparer_for(config, backend, short_tmp, claims)
     rec = preparer.prepare(REF)
     assert inventory.memory_limits(0, str(pod_cg))[:2] == (10 * GIB, 20 * GIB)  # guarantee, burst
-    ns = {n.name: n.limits for n in backend.control().namespace_list("g0")}[namespace_name(rec.allocation_id)]
+    ns = {n.name: n.limits for n in backend.control().namespace_list("g0")}[namespace_name(preparer.slices(rec)[0].key)]
     assert ns.pinned_memory_limit == "20G"
     # the journal keeps it: a restarted preparer asks for the same
     assert preparer.slices(rec)[0].memory_hard == {0: 20 * GIB}

@@ -168,14 +168,15 @@ def test_dra_claims_get_a_namespace_and_lose_it_at_unprepare(node, short_tmp):
     from mpsd.dra.claims import ClaimRef
 
     rec = preparer.prepare(ClaimRef("ns", "c1", "u1"))
-    ns = namespace_name(rec.allocation_id)
+    ns = namespace_name(preparer.slices(rec)[0].key)
     assert namespaces(backend, "g1")[ns] == Limits3("10G", "25", "1")
     spec = preparer.cdi.read(rec.spec_name)
     env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == os.path.join(config.pipe_dir, "g1", ns)
-    # two GPUs in one claim: refused in one line, nothing left behind
+    # two GPUs in one request: refused in one line, nothing left behind (a client reaches one
+    # server; two requests on two GPUs are two slices, each its own namespace)
     claims.put(claim(uid="u2", name="c2", results=[result(device="gpu-0", memory="1Gi"),
-                                                   result(device="gpu-1", memory="1Gi", request="b")]))
+                                                   result(device="gpu-1", memory="1Gi")]))
     with pytest.raises(Exception) as exc:
         preparer.prepare(ClaimRef("ns", "c2", "u2"))
     assert "spans GPUs" in str(exc.value) and "\n" not in str(exc.value)

@@ -135,4 +135,10 @@ allowPrivilegeEscalation: false
 capabilities:
   drop: ["ALL"]
   add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
+{{- if .dra }}
+# SELinux: the reference DRA drivers run privileged (spc_t); mpsd takes that domain only, so it may
+# write the kubelet's plugin directories and /var/run/cdi on an enforcing node (docs/security.md).
+seLinuxOptions:
+  type: spc_t
+{{- end }}
 {{- end }}
