@@ -9,6 +9,8 @@ NVML_CFLAGS  := -std=gnu11 -O2 -g -fPIC -fvisibility=hidden -D_GNU_SOURCE \
 .PHONY: fake-nvml
 fake-nvml: $(OUT)/libnvidia-ml.so.1
 
-$(OUT)/libnvidia-ml.so.1: $(NVML_SRC_DIR)fake_nvml.c
+NVML_SRCS    := $(NVML_SRC_DIR)fake_nvml.c $(NVML_SRC_DIR)fake_nvml_mig.c
+
+$(OUT)/libnvidia-ml.so.1: $(NVML_SRCS) $(NVML_SRC_DIR)fake_nvml.h
 	@mkdir -p $(dir $@)
-	$(CC) $(NVML_CFLAGS) -shared -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,defs -o $@ $< -lpthread
+	$(CC) $(NVML_CFLAGS) -shared -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,defs -o $@ $(NVML_SRCS) -lpthread
