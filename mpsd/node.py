@@ -36,7 +36,9 @@ def open_inventory(config: cfg.Config):
 def managed_gpus(gpus: list, visible_devices: str | None) -> list:
     """The GPUs the daemon serves: those ``visibleDevices`` names by index (nvidia-smi's
     numbering, which the daemon gets through CUDA_DEVICE_ORDER=PCI_BUS_ID) or UUID; all of
-    them without it, or when it names MIG devices (NVML's GPU list cannot match those)."""
+    them without it, or when it names MIG devices (NVML's GPU list cannot match those).
+    Never a GPU in MIG mode: MPS cannot use it whole (its instances are mpsd/mig_fleet.py's)."""
+    gpus = [g for g in gpus if not getattr(g, "mig_enabled", False)]
     if not visible_devices:
         return list(gpus)
     names = visible_devices.split(",")
@@ -65,10 +67,13 @@ class InventoryPump:
     series cover every GPU; indices and device health only the managed ones."""
 
     def __init__(
-        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None
+        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None,
+        on_listing: Callable[[list], None] | None = None,
     ) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
         self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
+        self._on_listing = on_listing  # each round's GPU listing (MIG: the instances read and served)
+        self.listed: list = []  # the last successful listing
         self._visible_devices = visible_devices
         self._cond = threading.Condition()
         self._pending = self._closed = False
@@ -121,6 +126,12 @@ class InventoryPump:
         managed = managed_gpus(listed, self._visible_devices)
         with self._cond:
             self._indices = [g.index for g in managed]
+            self.listed = list(listed)
+        if self._on_listing is not None:
+            try:
+                self._on_listing(listed)
+            except Exception:  # the GPU series and device health must not depend on it
+                log.exception("inventory round observer failed")
         if self._metrics is not None:
             health = self._board.current()
             self._metrics.update_gpus(listed, clients)
@@ -173,8 +184,15 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
 
         metrics = Metrics()
     regions = exec_regions(config, metrics)
-    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
+    fleet = mig_fleet(config, board, inventory, metrics)
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions,
+                         on_listing=fleet.observe if fleet is not None else None)
     pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
+    if fleet is not None:  # mixed nodes: the node daemon sees the whole GPUs, each instance has its own
+        from .mig_fleet import whole_gpus_only
+
+        config = whole_gpus_only(config, pump.listed)
+        reload = None if reload is None else _whole_gpus_reload(reload, pump)
     backend, v3 = sharing_backend(config, inventory, gpus)
     supervisor = Supervisor(
         config,
@@ -204,8 +222,28 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         if server is not None:
             server.close()
         pump.close()
+        if fleet is not None:  # after the pump: no round may start an instance's daemon again
+            fleet.stop()
         if inventory is not None:
             inventory.close()
+
+
+def mig_fleet(config: cfg.Config, board: HealthBoard, inventory, metrics):
+    """The daemons of the MIG instances (mpsd/mig_fleet.py), fed by every inventory round; None when
+    mig.enabled is false or NVML is missing."""
+    if not config.mig.enabled or inventory is None:
+        return None
+    from .mig_fleet import MigFleet
+    from .mig_metrics import MigMetrics
+
+    on_change = MigMetrics(metrics.registry).update if metrics is not None else None
+    return MigFleet(config, board, on_change=on_change, inventory=inventory)
+
+
+def _whole_gpus_reload(reload: Callable[[], cfg.Config], pump: InventoryPump) -> Callable[[], cfg.Config]:
+    from .mig_fleet import whole_gpus_only
+
+    return lambda: whole_gpus_only(reload(), pump.listed)
 
 
 class PluginRun:
