@@ -55,6 +55,7 @@ class MigDevice:
     compute_capability: tuple[int, int]
     parent_minor: int | None = None  # /dev/nvidia<minor>; None where NVML does not say
     caps_minors: tuple[int, int] | None = None  # nvidia-cap minors (GI access, CI access); None: unknown
+    slices: int = 0  # how many slices the faces offer (mpsd.mig_fleet sets it from the config); 0: none
 
     mig = True  # a MIG instance, not a whole GPU (mpsd.health, the faces)
 
@@ -138,3 +139,47 @@ def by_profile(devices: Iterable[MigDevice]) -> dict[str, list[MigDevice]]:
     for d in sorted(devices, key=lambda d: (d.parent_index, d.gpu_instance, d.compute_instance)):
         groups.setdefault(d.profile, []).append(d)
     return groups
+
+
+# -- dividing an instance into slices -------------------------------------------------------------
+
+MPS_CLIENTS = 48  # per device (Volta+, to CUDA 13.0; 60 from 13.1): the conservative figure
+COMPUTE_SLICES = 7  # compute slices of every MIG-capable GPU so far (A30: 4, counted as 7: conservative)
+MIN_SLICE_SMS = 2  # MPS rounds a thread percentage down to whole TPCs (2 SMs): less gives a client nothing
+MIN_SLICE_MIB = 256  # what a CUDA context and its libraries take (mpsd/dra/slices.py's minimum)
+
+
+def mps_clients(ci_slices: int) -> int:
+    """MPS clients one server of this compute instance takes: "the maximum number of clients (48)
+    is lowered proportionally to the Compute Instance size" (MIG user guide, CUDA concurrency)."""
+    return max(1, MPS_CLIENTS * ci_slices // COMPUTE_SLICES)
+
+
+def slice_limit(device: MigDevice) -> tuple[int, str]:
+    """(the most slices ``device`` can hold, why no more)."""
+    bounds = [
+        (mps_clients(device.ci_slices), f"its compute instance takes {mps_clients(device.ci_slices)} MPS clients "
+                                        f"({MPS_CLIENTS} x {device.ci_slices}/{COMPUTE_SLICES})"),
+        (device.sm_count // MIN_SLICE_SMS, f"{device.sm_count} SMs give {device.sm_count // MIN_SLICE_SMS} slices of "
+                                           f"{MIN_SLICE_SMS} SMs"),
+        (device.memory_total // MIB // MIN_SLICE_MIB, f"{device.memory_total // MIB} MiB give "
+                                                      f"{device.memory_total // MIB // MIN_SLICE_MIB} slices of "
+                                                      f"{MIN_SLICE_MIB} MiB"),
+    ]
+    return min(bounds, key=lambda b: b[0])
+
+
+class CannotDivide(ValueError):
+    """An instance cannot hold the configured number of slices (one line)."""
+
+
+def slices_for(device: MigDevice, setting: str | int, slices_per_gpu: int) -> int:
+    """Slices of ``device`` for ``mig.slicesPerInstance``: ``auto`` is slicesPerGpu or the most the
+    instance holds, whichever is fewer; a number is that many, or CannotDivide naming the profile."""
+    most, why = slice_limit(device)
+    if setting == "auto":
+        return max(1, min(slices_per_gpu, most))
+    if int(setting) > most:
+        raise CannotDivide(f"MIG profile {device.profile} ({device.uuid}) cannot be divided into {setting} slices: "
+                           f"{why}; expected mig.slicesPerInstance at most {most}, or auto")
+    return int(setting)

@@ -32,7 +32,7 @@ from . import config as cfg
 from . import dirs
 from .errors import MpsdError
 from .health import HealthBoard
-from .mig import MigDevice
+from .mig import CannotDivide, MigDevice, slices_for
 from .snapshot import Status
 from .supervisor import Supervisor
 
@@ -156,9 +156,9 @@ class MigFleet:
         """Start a daemon for each new instance, stop those of instances that vanished; a daemon
         whose first start failed is tried again. The same UUID is the same instance (NVML: UUIDs are
         immutable for the lifetime of a MIG device)."""
-        current = {d.uuid: d for d in devices}
         changed = False
         with self._lock:
+            current = {d.uuid: self._divided(d) for d in devices}
             for uuid in [u for u, r in self._runs.items() if u not in current or not r.thread.is_alive()]:
                 run = self._runs.pop(uuid)
                 changed = True
@@ -182,11 +182,22 @@ class MigFleet:
                 changed = True
                 log.info("MIG instance served instance=%s pipe_dir=%s", device.describe(), run.config.pipe_dir)
             self._retiring = [r for r in self._retiring if r.thread.is_alive()]
-            for uuid in [u for u in self._problems if u not in current]:
-                del self._problems[uuid]
+            for key in [k for k in self._problems if k.rpartition(":")[2] not in current]:
+                del self._problems[key]
         if changed:
             self.board.update(mig_layout=self.board.current().mig_layout + 1)
         self._health_changed()
+
+    def _divided(self, device: MigDevice) -> MigDevice:
+        """``device`` with the slices the faces offer (0, said once, when the config cannot divide it)."""
+        try:
+            n = slices_for(device, self.config.mig.slices_per_instance, self.config.device_plugin.slices_per_gpu)
+        except CannotDivide as exc:
+            if self._problems.get("divide:" + device.uuid) != str(exc):
+                log.error("MIG instance not offered (its daemon runs): %s", exc)
+            self._problems["divide:" + device.uuid] = str(exc)
+            n = 0
+        return dataclasses.replace(device, slices=n)
 
     def _health_changed(self) -> None:
         with self._lock:

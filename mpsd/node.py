@@ -205,18 +205,30 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
     dra: PluginRun | None = None
+    mig_plugins: PluginRun | None = None
     if metrics is not None:
         live = supervisor.loop_alive.is_set
-        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra))
+        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra, mig_plugins))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
-    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin, backend) if config.device_plugin.enabled else None
+    plugin_metrics, mig_metrics = mig_allocation_metrics(metrics, fleet)
+    plugin = (_start_plugin(config, board, plugin_metrics, gpus, stop_plugin, backend)
+              if config.device_plugin.enabled else None)
+    if fleet is not None:  # MIG slices: per-profile device plugins, DRA devices of the instances
+        from .mig_plugin import run_mig_plugins
+        from .sharing.mig import MigBackend, Routed
+
+        if config.device_plugin.enabled:
+            mig_plugins = _start_service("MIG device plugins", lambda: run_mig_plugins, config, board, mig_metrics,
+                                         gpus, stop_plugin, fleet=fleet)
+        backend = Routed(backend, MigBackend(host_paths(config), fleet.pipe_dir))
+        gpus = _with_instances(gpus, fleet)
     dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
     try:
         return supervisor.run()
     finally:
         stop_plugin.set()
-        for run in (plugin, dra):
+        for run in (plugin, dra, mig_plugins):
             if run is not None and run.thread is not None:
                 run.thread.join(10)
         if server is not None:
@@ -238,6 +250,27 @@ def mig_fleet(config: cfg.Config, board: HealthBoard, inventory, metrics):
 
     on_change = MigMetrics(metrics.registry).update if metrics is not None else None
     return MigFleet(config, board, on_change=on_change, inventory=inventory)
+
+
+def mig_allocation_metrics(metrics, fleet):
+    """(the whole-GPU plugin's metrics, the MIG plugins'): one allocation series group shared by all."""
+    if fleet is None or metrics is None:
+        return metrics, metrics
+    from .mig_plugin import SharedAllocations
+
+    shared = SharedAllocations(metrics)
+    return shared.part("gpu"), shared
+
+
+def _with_instances(gpus: Callable[[], list], fleet) -> Callable[[], list]:
+    """The DRA driver's devices: the whole GPUs (and, unpublished, those in MIG mode) and the instances served."""
+    return lambda: [*gpus(), *fleet.devices()]
+
+
+def host_paths(config: cfg.Config):
+    from .sharing.build import host_paths as paths
+
+    return paths(config)
 
 
 def _whole_gpus_reload(reload: Callable[[], cfg.Config], pump: InventoryPump) -> Callable[[], cfg.Config]:

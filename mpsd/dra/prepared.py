@@ -36,7 +36,7 @@ from ..plugin.state import StateStore
 from ..sharing import Backend, SliceRequest
 from ..sharing.v2 import V2Backend
 from ..trees import remove_tree
-from . import cdi
+from . import cdi, migdevices
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
 
 log = logging.getLogger(__name__)
@@ -351,6 +351,7 @@ class Preparer:
 
     def _spec(self, rec: PreparedClaim) -> dict:
         nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)
+        nodes += migdevices.caps_nodes(self.gpus, [g.uuid for g in rec.gpus], self.dev_dir)
         return cdi.claim_spec(rec.uid, rec.plan, self.paths, rec.region_dir, client_priority=rec.client_priority,
                               nodes=nodes, grant=self.backend.edits(self.request(rec)))
 

@@ -20,7 +20,8 @@ two consumable capacities and the request policy the scheduler applies to every 
 Slices mode: N devices per GPU, each allocated whole to one claim, with the slice's memory
 and compute as (fixed) capacities, so ``capacity.requests`` and CEL selectors still pick by size.
 
-GPUs with MIG enabled are left out: MPS runs on whole GPUs here. A pool (named after the node)
+GPUs with MIG enabled are not published whole: their instances are, next to the whole GPUs
+(mpsd/dra/migdevices.py; an instance is a ``mpsd.mig.MigDevice`` among ``gpus``). A pool (named after the node)
 is written as ceil(devices/128) ResourceSlices: the API allows at most 128 devices in one.
 """
 
@@ -139,12 +140,15 @@ def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, drive
     if not 1 <= slices_per_gpu <= 100:
         raise ValueError(f"bad slicesPerGpu {slices_per_gpu!r}: expected an integer 1..100")
     out: list[Obj] = []
-    for gpu in sorted((g for g in gpus if not g.mig_enabled), key=lambda g: g.index):
+    instances = [g for g in gpus if getattr(g, "mig", False)]
+    for gpu in sorted((g for g in gpus if not getattr(g, "mig", False) and not g.mig_enabled), key=lambda g: g.index):
         if mode == "capacity":
             out.append(capacity_device(gpu, driver_version, slices_per_gpu))
         else:
             out.extend(slice_devices(gpu, driver_version, slices_per_gpu))
-    return out
+    from . import migdevices  # here: it imports this module
+
+    return out + migdevices.build(instances, mode, driver_version)
 
 
 def slice_name_prefix(node: str, driver: str) -> str:

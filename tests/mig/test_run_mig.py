@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.nvml_build import build_fake_nvml, mig_line, nvml_config_text
+from tests.plugin.conftest import FakeKubelet
 from tests.procs import control_daemons
 
 pytestmark = pytest.mark.mps_binary
@@ -69,7 +70,11 @@ def test_mixed_node_daemons_follow_the_mig_layout(mps_control, short_dir, tmp_pa
         port = s.getsockname()[1]
     args = [f"--control-binary={mps_control}", f"--pipe-dir={short_dir / 'pipe'}", f"--log-dir={short_dir / 'log'}",
             f"--state-dir={short_dir / 'state'}", f"--metrics-address=127.0.0.1:{port}", "--health-interval=0.3s",
-            f"--nvml-library={nvml}", f"--mig-pipe-root={short_dir / 'mig'}", "--shutdown-timeout=3s"]
+            f"--nvml-library={nvml}", f"--mig-pipe-root={short_dir / 'mig'}", "--shutdown-timeout=3s",
+            "--device-plugin", f"--kubelet-dir={short_dir / 'kubelet'}", f"--region-dir={short_dir / 'regions'}",
+            f"--shim-host-dir={short_dir / 'lib'}", f"--pod-resources-socket={short_dir / 'none.sock'}"]
+    (short_dir / "kubelet").mkdir()
+    kubelet = FakeKubelet(str(short_dir / "kubelet" / "kubelet.sock"))
     proc = subprocess.Popen([sys.executable, "-m", "mpsd", "run", *args], cwd=REPO,
                             env=dict(os.environ, FAKE_NVML_CONFIG=str(conf)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -79,9 +84,13 @@ def test_mixed_node_daemons_follow_the_mig_layout(mps_control, short_dir, tmp_pa
         assert (short_dir / "mig" / M1 / "control").is_socket() and (short_dir / "mig" / M2 / "control").is_socket()
         wait_until(lambda: f'mpsd_mig_device_healthy{{gpu="1",instance="{M2}",profile="3g.40gb"}} 1.0' in scrape(port),
                    what="instance metrics")
+        wait_until(lambda: 'mpsd_device_healthy{gpu="0"} 1.0' in scrape(port), what="the whole GPU healthy")
         text = scrape(port)
-        assert "mpsd_mig_instances 2.0" in text and 'mpsd_device_healthy{gpu="0"} 1.0' in text
+        assert "mpsd_mig_instances 2.0" in text
         assert 'mpsd_device_healthy{gpu="1"}' not in text  # the MIG GPU is not offered whole
+        wait_until(lambda: len(kubelet.requests) >= 3, what="three resources registered")
+        assert sorted(r.resource_name for r in kubelet.requests) == [
+            "mpsd.io/gpu", "mpsd.io/mig-1g.10gb", "mpsd.io/mig-3g.40gb"]
         kept = visible(proc.pid)[M1]
         mtime = conf.stat().st_mtime_ns + 10**9
         conf.write_text(node(mig_line(1, 0, M1, 7, 0, 1, 1, 16, 9984 * MIB, 0, "1g.10gb"),
@@ -90,8 +99,10 @@ def test_mixed_node_daemons_follow_the_mig_layout(mps_control, short_dir, tmp_pa
         wait_until(lambda: set(visible(proc.pid)) == {WHOLE, M1, M3}, what="layout followed")
         assert visible(proc.pid)[M1] == kept  # the unchanged instance's daemon was left alone
         wait_until(lambda: M2 not in scrape(port) and f'instance="{M3}"' in scrape(port), what="metrics followed")
+        wait_until(lambda: "mpsd.io/mig-2g.20gb" in [r.resource_name for r in kubelet.requests], what="new profile")
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
+        kubelet.stop()
     assert proc.returncode == 0, out[-3000:]
     assert "MIG instance gone, stopping its daemon" in out
