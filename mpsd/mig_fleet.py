@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
+from pathlib import Path
 from typing import Callable, Iterable
 
 from . import config as cfg
@@ -55,6 +57,32 @@ def instance_config(config: cfg.Config, device: MigDevice) -> cfg.Config:
         device_plugin=dataclasses.replace(config.device_plugin, enabled=False),
         dra=dataclasses.replace(config.dra, enabled=False),
     )
+
+
+_MIG_UUID = re.compile(r"MIG-[0-9A-Za-z-]{1,80}")
+
+
+def served_pipe_dir(config: cfg.Config, uuid: str) -> str:
+    """The pipe dir of the daemon mpsd runs for MIG instance ``uuid`` (``mpsd exec --mig-instance``);
+    ConfigError (one line) when it is no MIG UUID or no daemon listens there."""
+    from .errors import ConfigError
+
+    if not _MIG_UUID.fullmatch(uuid):
+        raise ConfigError(f"--mig-instance {uuid[:90]!r}: expected a MIG device UUID, MIG-... "
+                          "(nvidia-smi -L lists them)")
+    pipe_dir = os.path.join(config.mig.pipe_root, uuid)
+    if dirs.client_socket_problem(Path(pipe_dir)):
+        served = sorted(n for n in _listdir(config.mig.pipe_root) if _MIG_UUID.fullmatch(n))
+        raise ConfigError(f"--mig-instance {uuid}: no MPS daemon of mpsd serves that instance ({pipe_dir}/control "
+                          f"is not a socket); served: {', '.join(served) or 'none'} (mig.pipeRoot {config.mig.pipe_root})")
+    return pipe_dir
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def whole_gpus_only(config: cfg.Config, gpus: Iterable) -> cfg.Config:
