@@ -198,6 +198,19 @@ def _slices_per_instance(value: Any) -> str | int:
         raise ValueError("auto or an integer 1..100") from None
 
 
+_PROFILE = re.compile(r"(?:[1-8]c\.)?[1-8]g\.[0-9]+gb(?:\+[a-z0-9]+)?")
+
+
+def _profiles(value: Any) -> tuple[str, ...]:
+    """mig.smPartitionProfiles: MIG profiles, comma-separated ("1g.10gb,3g.40gb"), or "" for none."""
+    if value is None or value == "":
+        return ()
+    items = value if isinstance(value, list) else value.split(",") if isinstance(value, str) else None
+    if items is None or not all(isinstance(p, str) and _PROFILE.fullmatch(p.strip()) for p in items):
+        raise ValueError('MIG profiles such as "1g.10gb,3g.40gb", or "" for none')
+    return tuple(p.strip() for p in items)
+
+
 def _protocol(value: Any) -> str:
     """mps.protocol: auto, 2 or 3 (YAML may give the numbers as integers)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -311,6 +324,8 @@ SETTINGS: tuple[Setting, ...] = (
             "each instance's pipe dir is <pipeRoot>/<MIG-uuid> (its log dir <logDir>/<MIG-uuid>)"),
     Setting("mig.slicesPerInstance", "mig-slices-per-instance", _slices_per_instance, "auto",
             "slices of each instance: auto (slicesPerGpu, fewer where the instance cannot hold them) or 1..100"),
+    Setting("mig.smPartitionProfiles", "mig-sm-partition-profiles", _profiles, "",
+            "MIG profiles whose slices get static SM partitions instead of a thread cap (CUDA 13.1+ daemons)"),
     Setting("mig.capsFile", "mig-caps-file", _path, "/proc/driver/nvidia-caps/mig-minors",
             "the driver's MIG capability minors (/dev/nvidia-caps nodes of each instance)"),
     # DRA: regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu (slices mode) are the device plugin's
@@ -371,6 +386,7 @@ class MigConfig:
     enabled: bool = True
     pipe_root: str = "/tmp/nvidia-mps-mig"
     slices_per_instance: str | int = "auto"
+    sm_partition_profiles: tuple[str, ...] = ()
     caps_file: str = "/proc/driver/nvidia-caps/mig-minors"
 
 

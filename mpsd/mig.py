@@ -56,6 +56,7 @@ class MigDevice:
     parent_minor: int | None = None  # /dev/nvidia<minor>; None where NVML does not say
     caps_minors: tuple[int, int] | None = None  # nvidia-cap minors (GI access, CI access); None: unknown
     slices: int = 0  # how many slices the faces offer (mpsd.mig_fleet sets it from the config); 0: none
+    sm_partitions: bool = False  # its daemon runs with -S: slices get static SM partitions (mpsd/smpartition.py)
 
     mig = True  # a MIG instance, not a whole GPU (mpsd.health, the faces)
 

@@ -32,9 +32,11 @@ from typing import Callable, Iterable
 
 from . import config as cfg
 from . import dirs
-from .errors import MpsdError
+from .errors import MpsdError, SetupError
 from .health import HealthBoard
+from .control import Control
 from .mig import CannotDivide, MigDevice, slices_for
+from .smpartition import Partitions, binary_support
 from .snapshot import Status
 from .supervisor import Supervisor
 
@@ -106,7 +108,8 @@ class InstanceDaemon:
         self._notify = notify
         self._lock = dirs.hold_pipe_dir(self.config.pipe_dir)  # SetupError: another mpsd serves it
         self.supervisor = Supervisor(self.config, self.board, gpu_indices=lambda: [0],
-                                     on_status=lambda status: notify())
+                                     on_status=lambda status: notify(),
+                                     daemon_args=("-S",) if device.sm_partitions else ())
         self.thread = threading.Thread(target=self._run, name=f"mig-{device.uuid[4:12]}", daemon=True)
 
     def start(self) -> None:
@@ -141,6 +144,14 @@ class MigFleet:
         self.board = board
         self._inventory = inventory  # mpsd.inventory.Inventory, read by observe()
         self._read_error = ""
+        if config.mig.sm_partition_profiles:  # refused at start where the daemon cannot do it
+            supported, why = binary_support(config.control_binary)
+            if not supported:
+                raise SetupError(f"mig.smPartitionProfiles {','.join(config.mig.sm_partition_profiles)}: static SM "
+                                 f"partitions need a control binary that has them: {why}; expected "
+                                 "mig.smPartitionProfiles \"\" or the nvidia-cuda-mps-control of a CUDA 13.1+ driver")
+            log.info("static SM partitions for MIG profiles %s: %s", ",".join(config.mig.sm_partition_profiles), why)
+        self.partitions = Partitions(self.control, self.daemon_pid)
         self._on_change = on_change  # metrics; called after every change of health or layout
         self._lock = threading.RLock()
         self._runs: dict[str, InstanceDaemon] = {}
@@ -162,6 +173,23 @@ class MigFleet:
     def pipe_dir(self, uuid: str) -> str | None:
         run = self.get(uuid)
         return None if run is None else run.config.pipe_dir
+
+    def device(self, uuid: str) -> MigDevice | None:
+        run = self.get(uuid)
+        return None if run is None else run.device
+
+    def daemon_pid(self, uuid: str) -> int | None:
+        run = self.get(uuid)
+        return None if run is None else run.status().pid
+
+    def control(self, uuid: str) -> Control:
+        run = self.get(uuid)
+        if run is None:
+            from .errors import ControlError
+
+            raise ControlError(f"MIG instance {uuid} is not served")
+        c = run.config
+        return Control(c.control_binary, c.pipe_dir, c.log_dir, c.health_timeout)
 
     # -- the inventory round ------------------------------------------------------------------
 
@@ -225,7 +253,8 @@ class MigFleet:
                 log.error("MIG instance not offered (its daemon runs): %s", exc)
             self._problems["divide:" + device.uuid] = str(exc)
             n = 0
-        return dataclasses.replace(device, slices=n)
+        return dataclasses.replace(device, slices=n,
+                                   sm_partitions=device.profile in self.config.mig.sm_partition_profiles)
 
     def _health_changed(self) -> None:
         with self._lock:

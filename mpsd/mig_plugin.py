@@ -124,7 +124,8 @@ class MigPlugins:
             shim_library=self.shim_library, pod_resources_socket=dp.pod_resources_socket or None,
             metrics=None if self.metrics is None else self.metrics.part(tag),
             usage_reader=functools.partial(shim_usage, library=self.shim_library),
-            usage_interval=self.usage_interval, backend=MigBackend(paths, self.fleet.pipe_dir),
+            usage_interval=self.usage_interval, backend=MigBackend(paths, self.fleet.pipe_dir, device=self.fleet.device,
+                                                                 partitions=self.fleet.partitions),
             gpu_source=lambda: [d for d in self.fleet.devices() if d.profile == profile],
         )
 

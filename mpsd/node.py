@@ -221,7 +221,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         if config.device_plugin.enabled:
             mig_plugins = _start_service("MIG device plugins", lambda: run_mig_plugins, config, board, mig_metrics,
                                          gpus, stop_plugin, fleet=fleet)
-        backend = Routed(backend, MigBackend(host_paths(config), fleet.pipe_dir))
+        backend = Routed(backend, MigBackend(host_paths(config), fleet.pipe_dir, device=fleet.device,
+                                             partitions=fleet.partitions))
         gpus = _with_instances(gpus, fleet)
     dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
     try:

@@ -60,8 +60,10 @@ class Supervisor:
         gpu_indices: Callable[[], list[int]] = list,
         on_status: Callable[[Status], None] | None = None,
         v3: "V3Supervision | None" = None,
+        daemon_args: tuple[str, ...] = (),
     ) -> None:
         self.config = c = config
+        self.daemon_args = daemon_args  # v2: extra daemon flags (-S for static SM partitions, mpsd/smpartition.py)
         self.v3 = v3  # an MPS v3 daemon (mpsd/sharing/supervise3.py); None: v2's interactive shell
         self.board = board
         self._reload = reload
@@ -166,7 +168,8 @@ class Supervisor:
         self._publish(state="starting", restarts=status.restarts + (0 if first else 1))
         try:
             dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-            self._daemon = DaemonProcess(self.config, self._exited_cb, **(self.v3.daemon_options() if self.v3 else {}))
+            options = self.v3.daemon_options() if self.v3 else {"args": self.daemon_args}
+            self._daemon = DaemonProcess(self.config, self._exited_cb, **options)
         except SetupError as exc:
             if first:
                 raise

@@ -13,7 +13,8 @@ Attributes (in the driver's domain, like a whole GPU's): ``index`` (the parent's
 (``MIG-...``), ``parentUUID``, ``profile`` (``1g.10gb``), ``productName`` (NVML's MIG device name),
 ``computeCapability``, ``driverVersion``, ``memory`` (the instance's bytes), ``multiprocessors``
 (its SMs), ``migGpuInstance``, ``migComputeInstance``, ``mig`` (true; false on whole GPUs is
-left out) and ``mps`` (true). A CEL selector picks a profile with
+left out), ``smPartitions`` (true where the instance's slices get static SM partitions, the
+``compute`` capacity then granted in whole chunks) and ``mps`` (true). A CEL selector picks a profile with
 ``device.attributes["gpu.mpsd.io"].profile == "1g.10gb"``.
 """
 
@@ -74,6 +75,7 @@ def _attributes(device: MigDevice, driver_version: str) -> Obj:
         "migGpuInstance": {"int": device.gpu_instance},
         "migComputeInstance": {"int": device.compute_instance},
         "mig": {"bool": True},
+        "smPartitions": {"bool": bool(device.sm_partitions)},  # compute as static SM partitions (mpsd/smpartition.py)
         dv.ATTR_MPS: {"bool": True},
     }
     version = semver(driver_version)

@@ -15,12 +15,16 @@ so MIG slices stay on v2 whichever backend the whole GPUs use.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterable
 
 from ..errors import BackendError
 from ..plugin.response import HostPaths
+from ..smpartition import Partitions, chunks_for
 from . import Backend, Grant, SliceRequest
 from .v2 import V2Backend, check_no_burst
+
+log = logging.getLogger(__name__)
 
 NAME = "mps-v2-mig"
 
@@ -32,9 +36,13 @@ def is_mig(request: SliceRequest) -> bool:
 class MigBackend:
     name = NAME
 
-    def __init__(self, paths: HostPaths, pipe_dir: Callable[[str], str | None]) -> None:
+    def __init__(self, paths: HostPaths, pipe_dir: Callable[[str], str | None], *,
+                 device: Callable[[str], object | None] = lambda uuid: None,
+                 partitions: Partitions | None = None) -> None:
         self.paths = paths  # the node's: regionDir, shimHostDir, ipcMode, shmDir
         self.pipe_dir = pipe_dir  # MIG UUID -> its daemon's pipe dir; None when not served (MigFleet.pipe_dir)
+        self.device = device  # MIG UUID -> the MigDevice served (MigFleet.device)
+        self.partitions = partitions  # static SM partitions of the instances that have them
 
     def _instance(self, request: SliceRequest) -> tuple[str, str]:
         uuids = [share.uuid for share in request.plan.gpus]
@@ -48,10 +56,21 @@ class MigBackend:
         return uuids[0], pipe_dir
 
     def edits(self, request: SliceRequest) -> Grant:
-        _, pipe_dir = self._instance(request)
+        """The container's edits; for an instance with static SM partitions its partition is made
+        here when the running daemon has none for this slice (a grant, a restart's adoption)."""
+        uuid, pipe_dir = self._instance(request)
         paths = HostPaths(pipe_dir=pipe_dir, region_dir=self.paths.region_dir, shim_host_dir=self.paths.shim_host_dir,
                           ipc_mode=self.paths.ipc_mode, shm_dir=self.paths.shm_dir)
-        return V2Backend(paths).edits(request)
+        grant = V2Backend(paths).edits(request)
+        device = self.device(uuid)
+        if device is None or not getattr(device, "sm_partitions", False) or self.partitions is None:
+            return grant
+        # the daemon runs with -S: the slice's compute is a partition of the instance's chunks
+        chunks = chunks_for(request.plan.active_thread_percentage, device.sm_count, device.compute_capability)
+        env = dict(grant.env)
+        env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+        env["CUDA_MPS_SM_PARTITION"] = self.partitions.ensure(request.key, uuid, chunks)
+        return Grant(env, grant.mounts)
 
     def grant(self, request: SliceRequest) -> Grant:
         check_no_burst(request, "a MIG instance's slices are capped at their guarantee (the shim and the MPS "
@@ -59,10 +78,15 @@ class MigBackend:
         return self.edits(request)
 
     def release(self, key: str) -> None:
-        return None
+        if self.partitions is not None:
+            self.partitions.release(key)
 
     def adopt(self, requests: Iterable[SliceRequest]) -> None:
-        return None
+        for request in requests:
+            try:
+                self.edits(request)  # the partitions of static instances, on the running daemon
+            except BackendError as exc:
+                log.warning("slice not adopted key=%s error=%s", request.key, exc)
 
     def enforcement(self, request: SliceRequest) -> str:
         return ("memory: MIG between instances, shim per container and MPS per client within one; "
@@ -86,10 +110,13 @@ class Routed:
         return self._for(request).grant(request)
 
     def release(self, key: str) -> None:
-        self.node.release(key)  # a key does not say which; MIG's release changes nothing
+        self.node.release(key)  # a key does not say which: both forget it
+        self.mig.release(key)
 
     def adopt(self, requests: Iterable[SliceRequest]) -> None:
+        requests = list(requests)
         self.node.adopt([r for r in requests if not is_mig(r)])
+        self.mig.adopt([r for r in requests if is_mig(r)])
 
     def enforcement(self, request: SliceRequest) -> str:
         return self._for(request).enforcement(request)
