@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from . import yamlfile
 from .errors import ConfigError
-from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage
+from .units import LIMITS_FORM, SHOWN, format_limits, is_decimal, parse_duration, parse_limits, parse_percentage, parse_size
 
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -211,6 +211,26 @@ def _profiles(value: Any) -> tuple[str, ...]:
     return tuple(p.strip() for p in items)
 
 
+def _memory_limit(value: Any) -> str:
+    """devicePlugin.memoryLimit: "" (no burst), a percentage of the GPU ("50%") or a size ("40G")."""
+    accepted = 'a size such as 40G, a percentage of the GPU such as 50%, or "" for none'
+    if value is None or value == "":
+        return ""
+    if isinstance(value, str) and value.endswith("%"):
+        try:
+            if 0 < float(value[:-1]) <= 100:
+                return value
+        except ValueError:
+            pass
+        raise ValueError(accepted)
+    try:
+        if isinstance(value, str) and parse_size(value) > 0:
+            return value
+    except ConfigError:
+        pass
+    raise ValueError(accepted)
+
+
 def _protocol(value: Any) -> str:
     """mps.protocol: auto, 2 or 3 (YAML may give the numbers as integers)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -310,6 +330,9 @@ SETTINGS: tuple[Setting, ...] = (
             "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
     Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm",
             "tmpfs mode: host tmpfs mounted as /dev/shm in daemon and pods"),
+    Setting("devicePlugin.memoryLimit", "memory-limit", _memory_limit, "",
+            "burst: a container's hard GPU memory limit above its slices (the guarantee): "
+            "40G, or 50%% of the GPU; MPS v3 with memory partitioning only"),
     # the sharing backend (mpsd/sharing, docs/mps-v3.md)
     Setting("mps.protocol", "mps-protocol", _protocol, "auto",
             "auto (MPS v3 where the control binary and driver R615+ have it, else v2) | 2 | 3"),
@@ -362,6 +385,7 @@ class DevicePluginConfig:
     shim_host_dir: str
     ipc_mode: str
     shm_dir: str
+    memory_limit: str = ""
 
 
 @dataclass(frozen=True)

@@ -249,3 +249,33 @@ class Inventory:
             index,
             reason,
         )
+
+
+# ---------------------------------------------------------------- memory limits by cgroup (R615+)
+
+
+def _handle(index: int) -> object:
+    return _call(f"nvmlDeviceGetHandleByIndex({index})", pynvml.nvmlDeviceGetHandleByIndex, index)
+
+
+def memory_limits(index: int, cgroup: str) -> tuple[int, int, int]:
+    """(soft, hard, used) bytes of ``cgroup`` on GPU ``index`` (nvmlDeviceGetMemoryLimits_v1; no
+    limit reads soft 0, hard NVML_DEVICE_MEMORY_LIMIT_MAX). InventoryError names the call."""
+    limits = pynvml.c_nvmlGetMemoryLimits_v1_t()
+    limits.nameSpace = cgroup.encode()
+    _call(f"nvmlDeviceGetMemoryLimits_v1(gpu {index}, {cgroup})", pynvml.nvmlDeviceGetMemoryLimits_v1,
+          _handle(index), limits)
+    return int(limits.softLimit), int(limits.hardLimit), int(limits.currentUsed)
+
+
+def set_memory_limits(index: int, cgroup: str, soft: int, hard: int) -> None:
+    """nvmlDeviceSetMemoryLimits_v1 (root only; soft 0 and hard NO_LIMIT clear them)."""
+    limits = pynvml.c_nvmlSetMemoryLimits_v1_t()
+    limits.nameSpace = cgroup.encode()
+    limits.softLimit, limits.hardLimit = soft, hard
+    _call(f"nvmlDeviceSetMemoryLimits_v1(gpu {index}, {cgroup}, soft {soft}, hard {hard})",
+          pynvml.nvmlDeviceSetMemoryLimits_v1, _handle(index), limits)
+
+
+NO_LIMIT = getattr(pynvml, "NVML_DEVICE_MEMORY_LIMIT_MAX", (1 << 64) - 1)
+UNAVAILABLE = _UNAVAILABLE

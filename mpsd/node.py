@@ -225,9 +225,13 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
                                              partitions=fleet.partitions))
         gpus = _with_instances(gpus, fleet)
     dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
+    if v3 is not None:
+        v3.start_background()
     try:
         return supervisor.run()
     finally:
+        if v3 is not None:
+            v3.stop_background()
         stop_plugin.set()
         for run in (plugin, dra, mig_plugins):
             if run is not None and run.thread is not None:
@@ -326,7 +330,7 @@ def shim_library_path(config: cfg.Config) -> str:
 
 def sharing_backend(config: cfg.Config, inventory, gpus):
     """The node's sharing backend (mpsd/sharing), chosen once; SetupError when mps.protocol 3 cannot be had."""
-    from .sharing.build import build, choose_for, describe
+    from .sharing.build import build, choose_for, describe, record
 
     driver = None
     if inventory is not None:
@@ -335,8 +339,14 @@ def sharing_backend(config: cfg.Config, inventory, gpus):
         except InventoryError as exc:
             log.warning("driver version unknown: %s", exc)
     choice = choose_for(config, driver)
-    backend, v3 = build(config, choice, gpus)
+    nvml = None
+    if inventory is not None and choice.protocol == 3:
+        from .sharing.memory import NvmlLimits
+
+        nvml = NvmlLimits()
+    backend, v3 = build(config, choice, gpus, nvml)
     log.info("sharing backend %s", describe(backend, choice))
+    record(config.state_dir, backend, choice)  # for mpsd status
     return backend, v3
 
 

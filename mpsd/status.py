@@ -32,6 +32,34 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
         "gpus": [],
         "clients": [],
     }
+    from .sharing.build import read_record
+
+    out["sharing"] = read_record(config.state_dir)  # the running mpsd's backend, and what enforces memory
+    if out["sharing"].get("protocol") == 3:
+        _collect_v3(config, out)
+    else:
+        _collect_v2(control, config, out)
+    out["claims"] = _claims(config)
+    own = inventory is None
+    if own:
+        inventory = open_inventory(config)
+    if inventory is not None:
+        try:
+            out["gpus"] = [asdict(g) for g in inventory.gpus()]
+            memory = {(c.gpu_index, c.pid): c.used_memory for c in inventory.mps_clients()}
+            for client in out["clients"]:
+                client["usedMemory"] = next((m for (g, p), m in memory.items() if p == client["pid"]), None)
+            out["nvmlClients"] = [{"gpu": g, "pid": p, "usedMemory": m} for (g, p), m in sorted(memory.items())]
+        except InventoryError as exc:
+            out["error"] = out["error"] or str(exc)
+        finally:
+            if own:
+                inventory.close()
+    return out
+
+
+def _collect_v2(control: Control, config: cfg.Config, out: dict[str, Any]) -> None:
+    """An MPS v2 daemon: its defaults, servers and clients through the interactive front-end."""
     try:
         out["settings"]["activeThreadPercentage"] = control.get_default_active_thread_percentage()
         out["daemon"] = "up"
@@ -53,23 +81,26 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
     except ControlError as exc:
         out["daemon"] = "unhealthy" if out["daemon"] == "up" else "down"
         out["error"] = str(exc)
-    out["claims"] = _claims(config)
-    own = inventory is None
-    if own:
-        inventory = open_inventory(config)
-    if inventory is not None:
-        try:
-            out["gpus"] = [asdict(g) for g in inventory.gpus()]
-            memory = {(c.gpu_index, c.pid): c.used_memory for c in inventory.mps_clients()}
-            for client in out["clients"]:
-                client["usedMemory"] = next((m for (g, p), m in memory.items() if p == client["pid"]), None)
-            out["nvmlClients"] = [{"gpu": g, "pid": p, "usedMemory": m} for (g, p), m in sorted(memory.items())]
-        except InventoryError as exc:
-            out["error"] = out["error"] or str(exc)
-        finally:
-            if own:
-                inventory.close()
-    return out
+
+
+def _collect_v3(config: cfg.Config, out: dict[str, Any]) -> None:
+    """An MPS v3 daemon: its servers and their namespaces (mpsd/control3.py)."""
+    from .control3 import Control3
+
+    control = Control3(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout)
+    try:
+        for server in control.server_list():
+            namespaces = [{"name": n.name, **asdict(n.limits), "clients": n.clients}
+                          for n in control.namespace_list(server.name)]
+            out["servers"].append({"name": server.name, "pid": server.pid, "status": server.status,
+                                   "namespaces": namespaces})
+        out["daemon"] = "up"
+    except DaemonNotRunning as exc:
+        out["error"] = str(exc)
+    except ControlError as exc:
+        out["daemon"] = "unhealthy"
+        out["error"] = str(exc)
+
 
 
 def _claims(config: cfg.Config) -> list[dict[str, Any]]:
@@ -128,7 +159,16 @@ def render_status(data: dict[str, Any]) -> str:
         lines.append(
             f"gpu {g['index']}: {g['name']} {g['uuid']}  memory {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB"
         )
-    lines.append(f"servers: {', '.join(str(x['pid']) for x in data['servers']) or 'none'}")
+    sharing = data.get("sharing") or {}
+    if sharing:
+        lines.append(f"sharing: {sharing.get('backend')} ({sharing.get('reason')}); memory enforced by "
+                     f"{sharing.get('memory')}; shim {sharing.get('shim')}")
+    lines.append(f"servers: {', '.join(str(x.get('name') or x['pid']) for x in data['servers']) or 'none'}")
+    for server in data["servers"]:
+        for n in server.get("namespaces", []):
+            lines.append(f"  namespace {server['name']}/{n['name']}: memory {n['pinned_memory_limit'] or '-'} "
+                         f"threads {n['active_thread_percentage'] or '-'} priority {n['client_priority'] or '-'} "
+                         f"clients {n['clients']}")
     lines += _render_claims(data.get("claims", []))
     if not data["clients"]:
         lines.append("clients: none")

@@ -19,7 +19,9 @@ For one claim and this driver and node:
   as for the device plugin;
 - the claim's opaque configuration for this driver (``status.allocation.devices.config[]``,
   class configs first, then the claim's: the later wins) is ``apiVersion: gpu.mpsd.io/v1alpha1,
-  kind: ClaimConfig`` with ``clientPriority`` (0 normal, 1 below normal); any other field is
+  kind: ClaimConfig`` with ``clientPriority`` (0 normal, 1 below normal) and ``memoryLimit`` (a
+  quantity: the hard limit on each GPU of the claim, from what it consumed, its guarantee, up to
+  the GPU: burst, where the node's backend can enforce it, docs/mps-v3.md); any other field is
   refused.
 
 Every refusal is a DraError with one line naming the claim and the value.
@@ -40,7 +42,7 @@ from .devices import COMPUTE, MEMORY, parse_device_name, slice_compute, slice_me
 
 CONFIG_API_VERSION = "gpu.mpsd.io/v1alpha1"
 CONFIG_KIND = "ClaimConfig"
-CONFIG_FIELDS = ("apiVersion", "kind", "clientPriority")
+CONFIG_FIELDS = ("apiVersion", "kind", "clientPriority", "memoryLimit")
 CAPACITIES = (MEMORY, COMPUTE)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 _QUANTITY = re.compile(
@@ -82,6 +84,8 @@ class ClaimPlan:
     plan: Plan  # the limits, as the device plugin computes them for a container
     client_priority: int | None
     pods: tuple[str, ...]  # names of the pods in reservedFor
+    pod_uids: tuple[str, ...] = ()  # their UIDs (the sharing backend finds their cgroups)
+    memory_limit: int | None = None  # ClaimConfig memoryLimit: the hard limit per GPU (burst), bytes
 
 
 def short(value: object, limit: int = 60) -> str:
@@ -170,6 +174,32 @@ def client_config(configs: Any, driver: str, ref: ClaimRef) -> int | None:
                 raise DraError(f"{where}: clientPriority {short(value)}; accepted: 0 (normal) or 1 (below normal)")
             priority = int(value)
     return priority
+
+
+def claim_memory_limit(configs: Any, driver: str, ref: ClaimRef, plan: Plan, gpus: Sequence[GpuLike]) -> int | None:
+    """ClaimConfig ``memoryLimit`` (the last config that sets it wins): a quantity, the hard limit
+    on each GPU of the claim, at least what the claim consumed there and at most the GPU's memory
+    (client_config has checked the configs' form)."""
+    text = None
+    for entry in configs if isinstance(configs, list) else []:
+        params = _get(entry, "opaque", "parameters")
+        if _get(entry, "opaque", "driver") == driver and isinstance(params, Mapping) and "memoryLimit" in params:
+            text = params["memoryLimit"]
+    if text is None:
+        return None
+    where = f"claim {ref}: opaque config for {driver}: memoryLimit"
+    try:
+        limit = parse_quantity(text)
+    except ValueError as exc:
+        raise DraError(f"{where}: {exc}") from None
+    totals = {g.index: g.memory_total for g in gpus}
+    for share in plan.gpus:
+        if limit < share.memory_limit:
+            raise DraError(f"{where} {text} is below the {share.memory_limit} bytes consumed on GPU {share.index}: "
+                           "expected at least the guarantee")
+        if limit > totals.get(share.index, limit):
+            raise DraError(f"{where} {text} is above GPU {share.index}'s {totals[share.index]} bytes")
+    return int(limit) // MIB * MIB
 
 
 @dataclass(frozen=True)
@@ -279,8 +309,10 @@ def plan_claim(
     priority = client_config(_get(allocation, "devices", "config"), driver, ref)
     device_ids = tuple(sorted({f"{n.pool}/{n.device}" for n in names}))
     reserved = _get(claim, "status", "reservedFor")
-    pods = tuple(
-        str(c.get("name")) for c in (reserved if isinstance(reserved, list) else [])
-        if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")
-    )
-    return ClaimPlan(ref, tuple(names), _plan(takes, device_ids, ref), priority, pods)
+    consumers = [c for c in (reserved if isinstance(reserved, list) else [])
+                 if isinstance(c, Mapping) and c.get("resource") == "pods" and not c.get("apiGroup")]
+    pods = tuple(str(c.get("name")) for c in consumers)
+    uids = tuple(str(c["uid"]) for c in consumers if isinstance(c.get("uid"), str) and c["uid"])
+    plan = _plan(takes, device_ids, ref)
+    limit = claim_memory_limit(_get(allocation, "devices", "config"), driver, ref, plan, gpus)
+    return ClaimPlan(ref, tuple(names), plan, priority, pods, uids, limit)

@@ -63,6 +63,8 @@ class PreparedClaim:
     phase: str
     created: float
     pods: tuple[str, ...] = ()
+    pod_uids: tuple[str, ...] = ()
+    memory_limit: int | None = None  # ClaimConfig memoryLimit: hard bytes per GPU (burst)
 
     @property
     def allocation_id(self) -> str:
@@ -88,6 +90,7 @@ class PreparedClaim:
         data["results"] = [asdict(r) for r in self.results]
         data["gpus"] = [asdict(g) for g in self.gpus]
         data["pods"] = list(self.pods)
+        data["pod_uids"] = list(self.pod_uids)
         return data
 
     @classmethod
@@ -109,6 +112,8 @@ class PreparedClaim:
             phase=str(data["phase"]),
             created=float(data["created"]),
             pods=tuple(str(p) for p in data.get("pods", ())),
+            pod_uids=tuple(str(p) for p in data.get("pod_uids", ())),
+            memory_limit=None if data.get("memory_limit") is None else int(data["memory_limit"]),
         )
 
 
@@ -146,6 +151,7 @@ class Preparer:
         """Converge after a restart: re-create what a prepared claim lost, and remove specs and claim
         directories of ours that no record names (a crash before the record was written)."""
         with self.lock:
+            self.backend.adopt([self.request(rec) for rec in self.prepared()])  # before the specs: they follow it
             for rec in self.store.all():
                 if rec.phase != PREPARED:
                     log.warning("claim record of phase %r rolled back claim=%s uid=%s", rec.phase, rec.ref, rec.uid)
@@ -155,7 +161,6 @@ class Preparer:
                     self._ensure(rec)
                 except DraError as exc:  # answered again at the kubelet's next Prepare
                     log.error("prepared claim not restored claim=%s error=%s", rec.ref, exc)
-            self.backend.adopt([self.request(rec) for rec in self.prepared()])
             named = {rec.spec_name for rec in self.store.all()}
             for name in self.cdi.ours():
                 if name not in named:
@@ -244,7 +249,8 @@ class Preparer:
             uid=ref.uid, namespace=ref.namespace, name=ref.name, results=planned.results,
             gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
             client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
-            phase=PREPARED, created=time.time(), pods=planned.pods,
+            phase=PREPARED, created=time.time(), pods=planned.pods, pod_uids=planned.pod_uids,
+            memory_limit=planned.memory_limit,
         )
         try:
             directory = fresh_dir(self.paths.region_dir, rec.allocation_id)
@@ -347,7 +353,9 @@ class Preparer:
 
     def request(self, rec: PreparedClaim) -> SliceRequest:
         """What the claim asks of the node's sharing backend."""
-        return SliceRequest(rec.allocation_id, rec.plan, rec.region_dir, client_priority=rec.client_priority)
+        hard = {} if rec.memory_limit is None else {g.ordinal: rec.memory_limit for g in rec.gpus}
+        return SliceRequest(rec.allocation_id, rec.plan, rec.region_dir, client_priority=rec.client_priority,
+                            pod_uids=rec.pod_uids, memory_hard=hard)
 
     def _spec(self, rec: PreparedClaim) -> dict:
         nodes = cdi.device_nodes([g.index for g in rec.gpus], self.dev_dir)

@@ -42,6 +42,7 @@ from .response import SHIM_NAME, HostPaths
 from .served import ServedSocket
 from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
 from ..sharing import Backend, SliceRequest
+from ..sharing.burst import burst_limits
 from ..sharing.v2 import V2Backend
 from .slicing import GpuLike, Plan, advertised_ids, plan_allocation
 from .state import StateStore, install_file
@@ -308,7 +309,11 @@ def run_plugin(
         metrics=metrics,
         usage_reader=functools.partial(shim_usage, library=shim_library),
         backend=backend,
+        memory_hard=burst_limits(getattr(dp, "memory_limit", ""), gpus),
     )
+    if getattr(dp, "memory_limit", "") and plugin.backend.burst_problem():
+        raise PluginError(f"devicePlugin.memoryLimit {dp.memory_limit} cannot be enforced on this node: "
+                          f"{plugin.backend.burst_problem()}")
     plugin.run(stop)
 
 

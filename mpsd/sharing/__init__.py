@@ -17,6 +17,8 @@ Interface (:class:`Backend`)::
     adopt(requests)            the slices a restarted face still holds, from its journal:
                                the backend re-creates what they need
     enforcement(request) -> str  one line: what enforces this slice's memory and compute
+    burst_problem()  -> str    "" where a hard limit above the guarantee (burst) can be
+                               enforced, else why not (requests with one are then refused)
 
 Devices stay abstract: a request names devices by UUID with the host index and the bytes
 they stand for (mpsd.plugin.slicing.GpuShare); a whole GPU today, a MIG instance (its own
@@ -83,3 +85,5 @@ class Backend(Protocol):
     def adopt(self, requests: Iterable[SliceRequest]) -> None: ...
 
     def enforcement(self, request: SliceRequest) -> str: ...
+
+    def burst_problem(self) -> str: ...

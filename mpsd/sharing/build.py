@@ -27,20 +27,35 @@ def choose_for(config, driver_version: str | None) -> Choice:
     return choose(config.mps.protocol, config.control_binary, driver_version)
 
 
-def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]]):
-    """(backend, V3Supervision or None) for ``choice``."""
+def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]], nvml=None):
+    """(backend, V3Supervision or None) for ``choice``; ``nvml``: the memory-limit calls
+    (mpsd.sharing.memory.NvmlLimits) where NVML is loaded, None where it is not."""
     paths = host_paths(config)
     if choice.protocol == 2:
         return V2Backend(paths), None
+    from .memory import CgroupLimits
     from .supervise3 import V3Supervision, default_limits
     from .v3 import V3Backend
 
+    memory, problem = None, "NVML is not available"
+    if nvml is not None:
+        memory = CgroupLimits(nvml, config.mps.cgroup_root)
+        listed = list(gpus())
+        mig = {g.index: bool(getattr(g, "mig_enabled", False)) for g in listed}
+        problem = memory.available([g.index for g in listed], mig=lambda i: mig.get(i, False)) or (
+            "" if listed else "NVML lists no GPU")
+        if problem:
+            memory = None
+    log.info("memory partitioning by cgroup: %s", "available" if memory is not None else f"not used: {problem}")
     backend = V3Backend(
         paths=paths,
         control=lambda: Control3(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout),
         gpus=gpus,
         defaults=default_limits(config),
         uid=None if os.geteuid() == 0 else os.geteuid(),
+        shim=config.mps.shim,
+        memory=memory,
+        memory_problem=problem,
     )
     return backend, V3Supervision(backend, config)
 
@@ -64,3 +79,43 @@ def node_choice(config) -> Choice:
         except (InventoryError, ImportError, OSError) as exc:
             log.info("driver version unknown: %s", exc)
     return choose_for(config, driver)
+
+
+SHARING_FILE = "sharing.json"
+
+
+def record(state_dir: str, backend: Backend, choice: Choice) -> dict:
+    """What ``mpsd status`` shows of the running node's backend: written once at start into stateDir."""
+    import json
+
+    from ..plugin.state import write_atomic
+
+    memory_problem = getattr(backend, "memory_problem", None)
+    if choice.protocol == 2:
+        memory = "the shim per container and the MPS server per client (v2)"
+    elif memory_problem:
+        memory = f"the namespace per client and the shim (the driver does not: {memory_problem})"
+    else:
+        memory = "the driver per cgroup (soft = guarantee, hard = limit); the shim where a slice's cgroup is not known"
+    data = {"backend": backend.name, "protocol": choice.protocol, "reason": choice.reason, "memory": memory,
+            "shim": config_shim(backend)}
+    try:
+        write_atomic(os.path.join(state_dir, SHARING_FILE), json.dumps(data, indent=1).encode())
+    except Exception as exc:  # status only: never a reason not to serve
+        log.warning("%s not written: %s", SHARING_FILE, exc)
+    return data
+
+
+def config_shim(backend: Backend) -> str:
+    return getattr(backend, "shim_mode", "on (v2: always)")
+
+
+def read_record(state_dir: str) -> dict:
+    import json
+
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

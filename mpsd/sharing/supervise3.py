@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import dirs, peer
 from ..control3 import Control3, Limits3
-from ..errors import ControlBusy, ControlError, ControlTimeout
+from ..errors import ControlBusy, ControlError, ControlImpostor, ControlTimeout
 from ..plugin.state import write_atomic
 from .toml3 import limits
 from .v3 import V3Backend
@@ -89,8 +90,8 @@ class V3Supervision:
         changes, problems = self.backend.reconcile(control, servers)
         for note in changes:
             log.info("namespace brought in line at start: %s", note)
-        if problems:
-            raise ControlError(f"MPS v3 namespaces not as wanted: {'; '.join(problems)}")
+        if problems:  # tried again each health round; a refused verb is no reason to restart the daemon
+            log.error("MPS v3 namespaces not as wanted at start: %s", "; ".join(problems))
 
     def apply_defaults(self, config: "Config") -> None:
         """A reload's new defaults: every server's default namespace."""
@@ -100,10 +101,40 @@ class V3Supervision:
         for server in control.server_list():
             control.namespace_set(server.name, "default", self.backend.defaults)
 
+    def start_background(self) -> None:
+        """The memory round's thread (NVML may block: never in the supervisor loop)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._memory_loop, name="mpsd-memory-limits", daemon=True)
+        self._thread.start()
+
+    def stop_background(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
+            self._thread.join(10)
+
+    def _memory_loop(self) -> None:
+        while not self._stop.wait(self.config.health_interval):
+            try:
+                self.backend.memory_round()
+            except Exception:  # the round must outlive any one failure
+                log.exception("memory limits round failed")
+
     def quit(self, wait: float) -> None:
         self.control(timeout=wait).quit(wait=wait)
 
     # -- a health round -----------------------------------------------------------------------
+
+    def _refuse_namespace_impostor(self, sup: "Supervisor", daemon: "DaemonProcess") -> None:
+        """ControlImpostor (counted) if a live namespace's socket is served by a process that is
+        neither the daemon nor one it started (a server may serve its namespaces' sockets)."""
+        for name in self.backend.namespace_sockets():
+            path = os.path.join(self.config.pipe_dir, name)
+            pid = peer.listener_pid(path)
+            if pid is None or pid == daemon.pid or descends_from(pid, daemon.pid):
+                continue
+            sup._publish(impostors=sup.status().impostors + 1)
+            raise ControlImpostor(f"control socket impostor: {path} is served by {peer.describe(pid)}, not by the "
+                                  f"daemon pid {daemon.pid} or its servers; the daemon is restarted to take it back")
 
     def health_check(self, sup: "Supervisor", daemon: "DaemonProcess") -> None:
         """One round for a v3 daemon, with the supervisor's verdicts (retire, inconclusive,
@@ -119,7 +150,8 @@ class V3Supervision:
             sup._refuse_impostor(daemon, ("control",))
             servers = control.server_list()
             notes, problems = self.backend.reconcile(control, servers)
-            sup._refuse_impostor(daemon, ("control", *self.backend.namespace_sockets()))
+            sup._refuse_impostor(daemon, ("control",))
+            self._refuse_namespace_impostor(sup, daemon)
         except ControlTimeout as exc:
             silent = sup._silent_checks[1] + 1 if sup._silent_checks[0] == daemon.pid else 1
             sup._silent_checks = (daemon.pid, silent)
@@ -159,3 +191,19 @@ class V3Supervision:
             defaults_restored=status.defaults_restored + (1 if notes else 0),
         )
         sup._next_at = time.monotonic() + self.config.health_interval
+
+
+def descends_from(pid: int, ancestor: int, proc: str = "/proc", depth: int = 4) -> bool:
+    """Whether ``ancestor`` is ``pid``'s parent, or its parent's ... (at most ``depth`` steps)."""
+    for _ in range(depth):
+        try:
+            with open(f"{proc}/{pid}/stat", "rb") as f:
+                stat = f.read(4096)
+            pid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm) state": the ppid
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False

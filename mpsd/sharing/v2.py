@@ -16,6 +16,8 @@ from ..units import format_size_mps_control
 from . import Grant, Mount, SliceRequest
 
 NAME = "mps-v2"
+BURST = ("MPS v2 caps a slice at its guarantee (the shim and the MPS server's per-client limit); burst needs "
+         "MPS v3 with memory partitioning")
 
 
 class V2Backend:
@@ -31,8 +33,7 @@ class V2Backend:
         return Grant(env, mounts)
 
     def grant(self, request: SliceRequest) -> Grant:
-        check_no_burst(request, "MPS v2 caps a slice at its guarantee (the shim and the MPS server's "
-                                "per-client limit); burst needs MPS v3 with memory partitioning")
+        check_no_burst(request, BURST)
         return self.edits(request)
 
     def release(self, key: str) -> None:
@@ -40,6 +41,9 @@ class V2Backend:
 
     def adopt(self, requests: Iterable[SliceRequest]) -> None:
         return None
+
+    def burst_problem(self) -> str:
+        return BURST
 
     def enforcement(self, request: SliceRequest) -> str:
         return "memory: shim per container and MPS per client (v2); compute: client environment"

@@ -32,8 +32,9 @@ from ..control3 import Control3, Limits3, Server3, same_limits
 from ..errors import BackendError, ControlError, DaemonNotRunning
 from ..plugin.response import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, HostPaths
 from ..plugin.slicing import GpuLike, GpuShare
-from ..units import format_limits
+from ..units import format_limits, format_size_mps_control
 from . import Grant, Mount, SliceRequest
+from .memory import CgroupLimits, cgroup_of, find_pod_cgroup
 from .toml3 import ServerSpec, is_ours, limits, namespace_dir, namespace_name, render, server_name, socket_problem
 
 log = logging.getLogger(__name__)
@@ -52,16 +53,22 @@ class V3Backend:
         gpus: Callable[[], Sequence[GpuLike]],
         defaults: Limits3 = Limits3(),
         uid: int | None = None,
-        shim: Callable[[SliceRequest], bool] = lambda request: True,
+        shim: str = "auto",
+        memory: CgroupLimits | None = None,
+        memory_problem: str = "memory partitioning not checked",
     ) -> None:
         self.paths = paths
         self.control = control  # a front-end bounded by healthTimeout
         self.gpus = gpus  # the managed GPUs (NVML), for the servers of the TOML
         self.defaults = defaults  # each server's own limits (its default namespace)
         self.uid = uid  # None: a multi-user daemon (-m)
-        self.shim = shim  # whether a slice keeps the shim (mps.shim, and what the driver enforces)
+        self.shim_mode = shim  # mps.shim: auto | on | off
+        self.memory = memory  # the driver's limits per cgroup; None where it has none
+        self.memory_problem = "" if memory is not None else memory_problem  # why not, for refusals and status
         self._lock = threading.Lock()
         self._live: dict[str, SliceRequest] = {}
+        self._enforced: set[str] = set()  # slices whose one pod's cgroup the driver limits since grant
+        self._found: dict[str, set[str]] = {}  # device-plugin slices: cgroups found through their clients
 
     # -- what a slice is -------------------------------------------------------------------
 
@@ -98,9 +105,26 @@ class V3Backend:
             mounts.append(Mount(self.paths.shm_dir, "/dev/shm", False))
         return Grant(env, tuple(mounts))
 
+    def burst_problem(self) -> str:
+        """"" where a hard limit above the guarantee can be enforced (the driver's soft limit)."""
+        return self.memory_problem
+
+    def shim(self, request: SliceRequest) -> bool:
+        """Whether a slice keeps the shim: ``auto`` drops it only where the driver limits the
+        memory of the slice's one pod (its cgroup set at grant), as the shim would."""
+        if self.shim_mode != "auto":
+            return self.shim_mode == "on"
+        return request.key not in self._enforced
+
     def enforcement(self, request: SliceRequest) -> str:
-        shim = "and the shim per container" if self.shim(request) else "(no shim)"
-        return f"memory: namespace limit (MPS v3) {shim}; compute and priority: the namespace"
+        if request.key in self._enforced:
+            driver = "the driver per pod cgroup (soft = guarantee, hard = limit)"
+        elif self.memory is not None:
+            driver = "the driver per container cgroup once a client connects"
+        else:
+            driver = f"not the driver ({self.memory_problem})"
+        shim = "; the shim per container" if self.shim(request) else ""
+        return f"memory: namespace limit (MPS v3), {driver}{shim}; compute and priority: the namespace"
 
     # -- the faces' calls --------------------------------------------------------------------
 
@@ -114,6 +138,19 @@ class V3Backend:
         problem = socket_problem(self.paths.pipe_dir, server, ns)
         if problem:
             raise BackendError(f"{request.key}: {problem}")
+        share = self.share(request)
+        hard = request.memory_hard.get(share.ordinal)
+        if hard is None:
+            return
+        total = next((g.memory_total for g in self.gpus() if g.uuid == share.uuid), None)
+        shown = f"{request.key}: memory limit {format_size_mps_control(hard)}"
+        if hard < share.memory_limit:
+            raise BackendError(f"{shown} is below the guarantee {format_size_mps_control(share.memory_limit)}: "
+                               "expected at least the memory consumed")
+        if total is not None and hard > total:
+            raise BackendError(f"{shown} is above GPU {share.index}'s {format_size_mps_control(total)}")
+        if hard > share.memory_limit and self.memory is None:
+            raise BackendError(f"{shown} above the guarantee cannot be enforced on this node: {self.memory_problem}")
 
     def grant(self, request: SliceRequest) -> Grant:
         self.check(request)
@@ -127,11 +164,72 @@ class V3Backend:
             with self._lock:
                 self._live.pop(request.key, None)
             raise BackendError(f"{request.key}: {exc}") from exc
+        try:
+            self._limit_pods(request)
+        except BackendError:
+            self.release(request.key)  # the driver refused the limits: nothing of the slice stays
+            raise
         return self.edits(request)
+
+    def _limit_pods(self, request: SliceRequest) -> None:
+        """The driver's limits on the pods' cgroups, where the request names its pods (DRA)."""
+        if self.memory is None or not request.pod_uids:
+            return
+        cgroups = [c for c in (find_pod_cgroup(self.memory.root, uid) for uid in request.pod_uids) if c]
+        for note in self.memory.apply(request.key, self.targets(request, cgroups)):
+            log.info("memory limits key=%s %s", request.key, note)
+        if len(cgroups) == len(request.pod_uids) == 1:
+            self._enforced.add(request.key)
+        else:
+            self._enforced.discard(request.key)
+            log.warning("memory of key=%s not limited per pod by the driver at grant: %d pod(s), %d cgroup(s) found "
+                        "under %s (the shim stays)", request.key, len(request.pod_uids), len(cgroups), self.memory.root)
+
+    def targets(self, request: SliceRequest, cgroups: Iterable[str]) -> list[tuple[str, int, int, int]]:
+        """(cgroup, GPU index, soft = the guarantee, hard = the limit) for each cgroup."""
+        share = self.share(request)
+        return [(c, share.index, share.memory_limit, request.hard_limit(share.ordinal)) for c in sorted(set(cgroups))]
+
+    def memory_round(self) -> list[str]:
+        """One round of the driver's limits (its own thread: NVML may block): the device-plugin
+        slices' cgroups found through their namespaces' clients, every limit read back and
+        restored; notes of what changed."""
+        if self.memory is None:
+            return []
+        with self._lock:
+            live = list(self._live.values())
+        try:
+            clients = self.control().client_list()
+        except ControlError as exc:
+            log.info("memory round without the client list error=%s", exc)
+            clients = []
+        pids: dict[tuple[str, str], list[int]] = {}
+        for c in clients:
+            pids.setdefault((c.server, c.namespace), []).append(c.pid)
+        notes = []
+        for request in live:
+            if request.pod_uids:
+                cgroups = {c for c in (find_pod_cgroup(self.memory.root, u) for u in request.pod_uids) if c}
+            else:
+                found = {cgroup_of(pid, self.memory.root) for pid in pids.get(self.place(request), [])} - {None}
+                kept = {c for c in self._found.get(request.key, set()) if os.path.isdir(c)}
+                cgroups = self._found[request.key] = kept | found  # type: ignore[operator]
+            try:
+                notes += [f"{request.key}: {n}" for n in self.memory.apply(request.key, self.targets(request, cgroups))]
+            except BackendError as exc:
+                notes.append(str(exc))
+        for note in notes:
+            level = logging.ERROR if "restored" in note or "refused" in note else logging.INFO
+            log.log(level, "memory limits: %s", note)
+        return notes
 
     def release(self, key: str) -> None:
         with self._lock:
             request = self._live.pop(key, None)
+        self._enforced.discard(key)
+        self._found.pop(key, None)
+        if self.memory is not None:
+            self.memory.release(key)
         if request is None:
             return
         server, ns = self.place(request)
@@ -154,6 +252,11 @@ class V3Backend:
             adopted.append(request)
         with self._lock:
             self._live.update((r.key, r) for r in adopted)
+        for request in adopted:
+            try:
+                self._limit_pods(request)
+            except BackendError as exc:  # tried again each memory round
+                log.error("memory limits of an adopted slice not set: %s", exc)
         if adopted:
             log.info("slices adopted count=%d: their namespaces are (re-)created", len(adopted))
             try:

@@ -26,6 +26,11 @@
  *                                            mode is 1; see fake_nvml_mig.c. `mig` lines are read
  *                                            again while NVML is initialised (a layout change),
  *                                            everything else only at init.
+ *   memlimits <state_file>                   memory partitioning by cgroup is available (R615+,
+ *                                            cgroup v2): nvmlDevice{Set,Get}MemoryLimits_v1 keep
+ *                                            their limits in <state_file>, shared by every process
+ *                                            (fake_nvml_limits.c); without it they answer
+ *                                            NOT_SUPPORTED
  *
  * Errors: FAKE_NVML_CONFIG unset, or its file unreadable → nvmlInit* returns
  * NVML_ERROR_DRIVER_NOT_LOADED (9), as the real library does on a machine without the
@@ -91,6 +96,7 @@ static unsigned int g_nprocs;
 static struct fake_fail g_fails[FAKE_MAX_FAILS];
 static unsigned int g_nfails;
 static char g_driver[80];
+static char g_memlimits[1024];
 
 int parse_u64(const char *s, unsigned long long *out)
 {
@@ -192,6 +198,12 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         g_gpus[idx].mig_supported = 0;
         return NULL;
     }
+    if (strcmp(w[0], "memlimits") == 0) {
+        if (n != 2 || strlen(w[1]) >= sizeof(g_memlimits))
+            return "memlimits needs one state file path";
+        copy_str(g_memlimits, sizeof(g_memlimits), w[1]);
+        return NULL;
+    }
     if (strcmp(w[0], "minor") == 0) {
         unsigned int idx;
         if (n != 3 || parse_uint(w[1], &idx) != 0 || idx >= g_ngpus || parse_uint(w[2], &g_gpus[idx].minor) != 0)
@@ -200,7 +212,7 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
     }
     if (strcmp(w[0], "mig") == 0)
         return parse_mig_directive(w, n);
-    return "unknown directive (gpu, proc, compute, driver, fail, nomig, minor, mig)";
+    return "unknown directive (gpu, proc, compute, driver, fail, nomig, minor, mig, memlimits)";
 }
 
 /* Reads the file into the tables; called with g_lock held. */
@@ -213,6 +225,7 @@ static nvmlReturn_t load_config(void)
 
     g_ngpus = g_nprocs = g_nfails = 0;
     mig_clear();
+    g_memlimits[0] = '\0';
     copy_str(g_driver, sizeof(g_driver), "0.0.fake");
     if (path == NULL || (f = fopen(path, "r")) == NULL)
         return NVML_ERROR_DRIVER_NOT_LOADED;
@@ -276,6 +289,27 @@ struct nvmlDevice_st *device(nvmlDevice_t handle)
     if (handle >= &g_gpus[0] && handle < &g_gpus[g_ngpus])
         return handle;
     return mig_device(handle);
+}
+
+/* For the other files of the fake (fake_nvml.h). */
+nvmlReturn_t fake_nvml_enter(const char *function)
+{
+    return enter(function);
+}
+
+int fake_nvml_device(nvmlDevice_t handle, unsigned int *index, unsigned int *mig)
+{
+    struct nvmlDevice_st *d = device(handle);
+    if (d == NULL)
+        return -1;
+    *index = d->index;
+    *mig = d->is_mig ? 1 : d->mig;
+    return 0;
+}
+
+const char *fake_nvml_memlimits(void)
+{
+    return g_memlimits[0] ? g_memlimits : NULL;
 }
 
 static nvmlReturn_t do_init(const char *function)

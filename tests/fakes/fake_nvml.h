@@ -1,6 +1,7 @@
-/* fake_nvml.h: what fake_nvml.c (GPUs, processes, the config file) and fake_nvml_mig.c (MIG
- * devices) share inside the fake libnvidia-ml.so.1. Nothing here is exported. Struct layouts
- * follow nvml.h (NVIDIA/go-nvml gen/nvml/nvml.h, NVML API 13). */
+/* fake_nvml.h: what the files of the fake libnvidia-ml.so.1 share: fake_nvml.c (GPUs, processes,
+ * the config file), fake_nvml_mig.c (MIG devices), fake_nvml_limits.c (memory limits by cgroup).
+ * Nothing here is exported. Codes, types and struct layouts follow nvml.h (NVIDIA/go-nvml
+ * gen/nvml/nvml.h, NVML API 13). */
 #ifndef FAKE_NVML_H
 #define FAKE_NVML_H
 
@@ -19,6 +20,7 @@ enum {
     NVML_ERROR_UNINITIALIZED = 1,
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
@@ -59,6 +61,14 @@ void copy_str(char *dst, size_t size, const char *src);
 nvmlReturn_t enter(const char *function);
 /* The GPU or present MIG device behind a handle; NULL for anything else. */
 struct nvmlDevice_st *device(nvmlDevice_t handle);
+
+/* initialised, then any injected failure for `function` (NVML_SUCCESS to go on) */
+nvmlReturn_t fake_nvml_enter(const char *function);
+/* 0 and the device's index and MIG mode for a handle of this library, -1 otherwise (a MIG device
+ * handle counts as MIG mode on) */
+int fake_nvml_device(nvmlDevice_t handle, unsigned int *index, unsigned int *mig);
+/* the memlimits state file, NULL when memory partitioning is off */
+const char *fake_nvml_memlimits(void);
 
 /* fake_nvml_mig.c */
 const char *parse_mig_directive(char **w, int n);

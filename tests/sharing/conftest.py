@@ -70,3 +70,6 @@ def start_v3(fake_v3_binary: Path, short_tmp: Path) -> Iterator[Callable[..., V3
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+from ..inventory.conftest import fake_nvml_lib  # noqa: E402,F401 (fixture: the fake NVML, for every test here)

@@ -12,7 +12,7 @@ import pytest
 from mpsd.sharing.detect import Choice, choose, driver_release, probe_binary
 from mpsd.errors import SetupError
 
-from ..inventory.conftest import fake_nvml_lib  # noqa: F401 (fixture)
+
 
 GPU = "gpu 0 GPU-00000000-aaaa-bbbb-cccc-000000000000 85899345920 0 9 0 0 Fake H100\n"
 

@@ -47,3 +47,15 @@ def test_no_daemon_and_no_binary(tmp_path, fake_v3_binary):
         Control3(str(fake_v3_binary), str(tmp_path / "nothing")).server_list()
     with pytest.raises(ControlError, match="cannot run control binary"):
         Control3(str(tmp_path / "missing"), str(tmp_path)).server_list()
+
+
+def test_descends_from_reads_the_parent_chain(tmp_path):
+    from mpsd.sharing.supervise3 import descends_from
+
+    for pid, ppid, comm in ((30, 20, "srv) x (y"), (20, 10, "nvidia-cuda-mps"), (10, 1, "init-ish"), (40, 1, "pod")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) S {ppid} 1 1 0")
+    assert descends_from(30, 10, proc=str(tmp_path))  # a server's child: two steps, a comm with ") "
+    assert descends_from(20, 10, proc=str(tmp_path))
+    assert not descends_from(40, 10, proc=str(tmp_path))
+    assert not descends_from(99, 10, proc=str(tmp_path))
