@@ -184,15 +184,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
 
         metrics = Metrics()
     regions = exec_regions(config, metrics)
-    fleet = mig_fleet(config, board, inventory, metrics)
-    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions,
-                         on_listing=fleet.observe if fleet is not None else None)
-    pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
-    if fleet is not None:  # mixed nodes: the node daemon sees the whole GPUs, each instance has its own
-        from .mig_fleet import whole_gpus_only
+    from .mig_node import MigNode  # docs/mig.md: a daemon per MIG instance
 
-        config = whole_gpus_only(config, pump.listed)
-        reload = None if reload is None else _whole_gpus_reload(reload, pump)
+    mig = MigNode.create(config, board, inventory, metrics)
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions,
+                         on_listing=mig.fleet.observe if mig is not None else None)
+    pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
+    if mig is not None:  # mixed nodes: the node daemon sees the whole GPUs, each instance has its own
+        config, reload = mig.node_config(config, reload, lambda: pump.listed)
     backend, v3 = sharing_backend(config, inventory, gpus)
     supervisor = Supervisor(
         config,
@@ -211,19 +210,15 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra, mig_plugins))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
-    plugin_metrics, mig_metrics = mig_allocation_metrics(metrics, fleet)
-    plugin = (_start_plugin(config, board, plugin_metrics, gpus, stop_plugin, backend)
-              if config.device_plugin.enabled else None)
-    if fleet is not None:  # MIG slices: per-profile device plugins, DRA devices of the instances
+    plugin = (_start_plugin(config, board, mig.plugin_metrics(metrics) if mig else metrics, gpus, stop_plugin,
+                            backend) if config.device_plugin.enabled else None)
+    if mig is not None:  # MIG slices: per-profile device plugins, DRA devices of the instances
         from .mig_plugin import run_mig_plugins
-        from .sharing.mig import MigBackend, Routed
 
         if config.device_plugin.enabled:
-            mig_plugins = _start_service("MIG device plugins", lambda: run_mig_plugins, config, board, mig_metrics,
-                                         gpus, stop_plugin, fleet=fleet)
-        backend = Routed(backend, MigBackend(host_paths(config), fleet.pipe_dir, device=fleet.device,
-                                             partitions=fleet.partitions))
-        gpus = _with_instances(gpus, fleet)
+            mig_plugins = _start_service("MIG device plugins", lambda: run_mig_plugins, config, board,
+                                         mig.allocation_metrics, gpus, stop_plugin, fleet=mig.fleet)
+        backend, gpus = mig.faces(config, backend, gpus)
     dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend) if config.dra.enabled else None
     if v3 is not None:
         v3.start_background()
@@ -239,49 +234,10 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         if server is not None:
             server.close()
         pump.close()
-        if fleet is not None:  # after the pump: no round may start an instance's daemon again
-            fleet.stop()
+        if mig is not None:  # after the pump: no round may start an instance's daemon again
+            mig.fleet.stop()
         if inventory is not None:
             inventory.close()
-
-
-def mig_fleet(config: cfg.Config, board: HealthBoard, inventory, metrics):
-    """The daemons of the MIG instances (mpsd/mig_fleet.py), fed by every inventory round; None when
-    mig.enabled is false or NVML is missing."""
-    if not config.mig.enabled or inventory is None:
-        return None
-    from .mig_fleet import MigFleet
-    from .mig_metrics import MigMetrics
-
-    on_change = MigMetrics(metrics.registry).update if metrics is not None else None
-    return MigFleet(config, board, on_change=on_change, inventory=inventory)
-
-
-def mig_allocation_metrics(metrics, fleet):
-    """(the whole-GPU plugin's metrics, the MIG plugins'): one allocation series group shared by all."""
-    if fleet is None or metrics is None:
-        return metrics, metrics
-    from .mig_plugin import SharedAllocations
-
-    shared = SharedAllocations(metrics)
-    return shared.part("gpu"), shared
-
-
-def _with_instances(gpus: Callable[[], list], fleet) -> Callable[[], list]:
-    """The DRA driver's devices: the whole GPUs (and, unpublished, those in MIG mode) and the instances served."""
-    return lambda: [*gpus(), *fleet.devices()]
-
-
-def host_paths(config: cfg.Config):
-    from .sharing.build import host_paths as paths
-
-    return paths(config)
-
-
-def _whole_gpus_reload(reload: Callable[[], cfg.Config], pump: InventoryPump) -> Callable[[], cfg.Config]:
-    from .mig_fleet import whole_gpus_only
-
-    return lambda: whole_gpus_only(reload(), pump.listed)
 
 
 class PluginRun:
