@@ -2,7 +2,8 @@
  *
  * Which NVML device is capped: a limit keyed by UUID matches the NVML device with that UUID
  * (nvmlDeviceGetUUID); a limit keyed by ordinal matches the NVML device of that index
- * (nvmlDeviceGetIndex). NVML indices are not renumbered by CUDA_VISIBLE_DEVICES (inside a
+ * (nvmlDeviceGetIndex), or, for a MIG device handle (whose index counts MIG devices under its
+ * GPU), the CUDA device with the MIG device's UUID. NVML indices are not renumbered by CUDA_VISIBLE_DEVICES (inside a
  * container they follow the devices the container sees, in PCI order), so when CUDA and NVML
  * numbering can differ, key the limit by UUID. The region's usage is kept per CUDA ordinal;
  * for the NVML device the ordinal is the CUDA device with the same UUID when this process
@@ -52,10 +53,14 @@ static int nvml_cap(nvmlDevice_t device, uint64_t *cap, int *ordinal)
     int have_index = index_fn != NULL && index_fn(device, &index) == NVML_SUCCESS && index < MS_MAX_DEVICES;
     if (uuid_fn == NULL || uuid_fn(device, uuid, sizeof uuid) != NVML_SUCCESS)
         uuid[0] = '\0';
-    if (!ms_limits_find(&s->limits, have_index ? (int)index : -1, uuid[0] ? uuid : NULL, cap))
-        return 0;
     int d = uuid[0] ? cuda_ordinal_of(uuid) : -1;
-    *ordinal = d >= 0 ? d : have_index ? (int)index : -1;
+    /* A MIG device handle's NVML index is its index under its GPU, not an ordinal: it is matched
+     * by its UUID or by the CUDA device with that UUID (in a MIG container: device 0). */
+    int mig = strncmp(uuid, "MIG-", 4) == 0;
+    int key = mig ? d : have_index ? (int)index : -1;
+    if (!ms_limits_find(&s->limits, key, uuid[0] ? uuid : NULL, cap))
+        return 0;
+    *ordinal = d >= 0 ? d : mig ? -1 : have_index ? (int)index : -1;
     return 1;
 }
 

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--region", default=None, metavar="PATH", help="accounting region file shared by the processes of one slice"
     )
     ex.add_argument("--no-shim", action="store_true", help="do not preload libmpsshim.so (MPS limits only)")
+    ex.add_argument("--mig-instance", default=None, metavar="MIG-UUID",
+                    help="run inside that MIG instance: its daemon's pipe dir; the instance is device 0")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     rm = sub.add_parser("dra-remove-slices",
                         help="delete this node's ResourceSlices of the DRA driver (DRA turned off, mpsd uninstalled)")
@@ -244,9 +246,15 @@ def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) 
         made_region = _region_dir(config)
         region = os.path.join(made_region, "region")
     child_env = dict(env)
+    pipe_dir = config.pipe_dir
+    if args.mig_instance is not None:  # the instance's own daemon (mpsd/mig_fleet.py); it is the server's device 0
+        from .mig_fleet import served_pipe_dir
+
+        pipe_dir = served_pipe_dir(config, args.mig_instance)
+        child_env.pop("CUDA_VISIBLE_DEVICES", None)
     child_env.update(
         client_env(
-            pipe_dir=config.pipe_dir,
+            pipe_dir=pipe_dir,
             active_thread_percentage=percent,
             memory_limits=limits,
             shim_library=shim_library,

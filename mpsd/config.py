@@ -186,6 +186,41 @@ def _driver_name(value: Any) -> str:
     raise ValueError("a DNS subdomain of at most 63 lower-case characters with a dot, e.g. gpu.mpsd.io")
 
 
+MIG_PIPE_ROOT_BYTES = MAX_PIPE_DIR_BYTES - len("/MIG-00000000-0000-0000-0000-000000000000")
+
+
+def _mig_pipe_root(value: Any) -> str:
+    """mig.pipeRoot: each instance's pipe dir is <pipeRoot>/<MIG-uuid>, which must fit like pipeDir."""
+    path = _path(value)
+    if len(os.fsencode(os.path.normpath(path))) > MIG_PIPE_ROOT_BYTES:
+        raise ValueError(f"a path of at most {MIG_PIPE_ROOT_BYTES} bytes (<pipeRoot>/<MIG-uuid> is an instance's "
+                         f"pipe dir, at most {MAX_PIPE_DIR_BYTES} bytes)")
+    return path
+
+
+def _slices_per_instance(value: Any) -> str | int:
+    """mig.slicesPerInstance: auto, or an integer 1..100."""
+    if value == "auto":
+        return value
+    try:
+        return _int_range(1, 100)(value)
+    except ValueError:
+        raise ValueError("auto or an integer 1..100") from None
+
+
+_PROFILE = re.compile(r"(?:[1-8]c\.)?[1-8]g\.[0-9]+gb(?:\+[a-z0-9]+)?")
+
+
+def _profiles(value: Any) -> tuple[str, ...]:
+    """mig.smPartitionProfiles: MIG profiles, comma-separated ("1g.10gb,3g.40gb"), or "" for none."""
+    if value is None or value == "":
+        return ()
+    items = value if isinstance(value, list) else value.split(",") if isinstance(value, str) else None
+    if items is None or not all(isinstance(p, str) and _PROFILE.fullmatch(p.strip()) for p in items):
+        raise ValueError('MIG profiles such as "1g.10gb,3g.40gb", or "" for none')
+    return tuple(p.strip() for p in items)
+
+
 def _memory_limit(value: Any) -> str:
     """devicePlugin.memoryLimit: "" (no burst), a percentage of the GPU ("50%") or a size ("40G")."""
     accepted = 'a size such as 40G, a percentage of the GPU such as 50%, or "" for none'
@@ -317,6 +352,17 @@ SETTINGS: tuple[Setting, ...] = (
             "auto (the shim only where the driver does not enforce and report memory) | on | off"),
     Setting("mps.cgroupRoot", "cgroup-root", _path, "/sys/fs/cgroup",
             "cgroup v2 mount: pods' cgroups whose GPU memory the driver limits (MPS v3)"),
+    # MIG (mpsd/mig.py, docs/mig.md): one MPS control daemon per MIG instance
+    Setting("mig.enabled", "mig", _bool, True,
+            "serve the instances of GPUs in MIG mode (one MPS daemon per instance); false: leave them alone"),
+    Setting("mig.pipeRoot", "mig-pipe-root", _mig_pipe_root, "/tmp/nvidia-mps-mig",
+            "each instance's pipe dir is <pipeRoot>/<MIG-uuid> (its log dir <logDir>/<MIG-uuid>)"),
+    Setting("mig.slicesPerInstance", "mig-slices-per-instance", _slices_per_instance, "auto",
+            "slices of each instance: auto (slicesPerGpu, fewer where the instance cannot hold them) or 1..100"),
+    Setting("mig.smPartitionProfiles", "mig-sm-partition-profiles", _profiles, "",
+            "MIG profiles whose slices get static SM partitions instead of a thread cap (CUDA 13.1+ daemons)"),
+    Setting("mig.capsFile", "mig-caps-file", _path, "/proc/driver/nvidia-caps/mig-minors",
+            "the driver's MIG capability minors (/dev/nvidia-caps nodes of each instance)"),
     # DRA: regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu (slices mode) are the device plugin's
     Setting("dra.enabled", "dra", _bool, False,
             "serve the DRA kubelet plugin (ResourceClaims prepared with CDI specs)"),
@@ -378,6 +424,15 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class MigConfig:
+    enabled: bool = True
+    pipe_root: str = "/tmp/nvidia-mps-mig"
+    slices_per_instance: str | int = "auto"
+    sm_partition_profiles: tuple[str, ...] = ()
+    caps_file: str = "/proc/driver/nvidia-caps/mig-minors"
+
+
+@dataclass(frozen=True)
 class Config:
     control_binary: str
     pipe_dir: str
@@ -404,6 +459,7 @@ class Config:
     dra: DraConfig = field(default_factory=DraConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
     daemon_lifecycle: str = "owned"
+    mig: MigConfig = field(default_factory=MigConfig)
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:
@@ -458,7 +514,8 @@ def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, objec
     mps = MpsConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("mps.")})
     plugin = DevicePluginConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("devicePlugin.")})
     dra = DraConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("dra.")})
-    return Config(**top, device_plugin=plugin, dra=dra, mps=mps, source=path)
+    mig = MigConfig(**{s.attr: values[s.key] for s in SETTINGS if s.key.startswith("mig.")})
+    return Config(**top, device_plugin=plugin, dra=dra, mps=mps, mig=mig, source=path)
 
 
 def read_file(path: str) -> dict[str, Any]:

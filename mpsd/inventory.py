@@ -19,6 +19,7 @@ from typing import TypeVar
 import pynvml
 
 from mpsd.errors import InventoryError
+from mpsd.mig import CAPS_FILE, MigDevice, caps_minors, profile_name, read_caps
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,54 @@ class Inventory:
         except pynvml.NVMLError as e:
             raise InventoryError(f"NVML nvmlDeviceGetMigMode(gpu {index}) failed: {e}") from e
         return current == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    def mig_devices(self, gpus: list[Gpu] | None = None, caps_file: str = CAPS_FILE) -> list[MigDevice]:
+        """The MIG devices (compute instances) of every GPU in MIG mode, read now: the layout
+        changes under a running mpsd (the MIG manager). An instance that vanishes while it is
+        read is left out (the next round sees the new layout); any other NVML error is an
+        InventoryError. ``gpus``: this round's listing (read again when None)."""
+        listed = {g.index: g for g in (self.gpus() if gpus is None else gpus)}
+        handles = self._handles()
+        caps = read_caps(caps_file) if any(g.mig_enabled for g in listed.values()) else {}
+        found: list[MigDevice] = []
+        for index, gpu in sorted(listed.items()):
+            if gpu.mig_enabled and index < len(handles):
+                found += self._mig_of(gpu, handles[index], caps)
+        return found
+
+    def _mig_of(self, gpu: Gpu, handle: object, caps: dict) -> list[MigDevice]:
+        where = f"gpu {gpu.index}"
+        count = _call(f"nvmlDeviceGetMaxMigDeviceCount({where})", pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+        try:
+            minor: int | None = int(pynvml.nvmlDeviceGetMinorNumber(handle))
+        except pynvml.NVMLError:
+            minor = None  # device nodes are then the container runtime's to find
+        out = []
+        for slot in range(count):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                out.append(self._mig_device(gpu, slot, mig, minor, caps))
+            except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
+                continue  # no instance in this slot, or it was destroyed while read
+            except pynvml.NVMLError as e:
+                raise InventoryError(f"NVML MIG device {slot} of {where} failed: {e}") from e
+        return out
+
+    def _mig_device(self, gpu: Gpu, slot: int, mig: object, minor: int | None, caps: dict) -> MigDevice:
+        attrs = pynvml.nvmlDeviceGetAttributes(mig)
+        gi, ci = int(pynvml.nvmlDeviceGetGpuInstanceId(mig)), int(pynvml.nvmlDeviceGetComputeInstanceId(mig))
+        memory = pynvml.nvmlDeviceGetMemoryInfo(mig)
+        name = pynvml.nvmlDeviceGetName(mig)
+        return MigDevice(
+            uuid=pynvml.nvmlDeviceGetUUID(mig), parent_index=gpu.index, parent_uuid=gpu.uuid, mig_index=slot,
+            gpu_instance=gi, compute_instance=ci,
+            profile=profile_name(name, int(attrs.gpuInstanceSliceCount), int(attrs.computeInstanceSliceCount),
+                                 int(attrs.memorySizeMB), gpu.memory_total),
+            name=name, memory_total=int(memory.total), memory_used=int(memory.used),
+            sm_count=int(attrs.multiprocessorCount), gi_slices=int(attrs.gpuInstanceSliceCount),
+            ci_slices=int(attrs.computeInstanceSliceCount), compute_capability=gpu.compute_capability,
+            parent_minor=minor, caps_minors=caps_minors(caps, minor, gi, ci),
+        )
 
     def mps_clients(self) -> list[Client]:
         """MPS client processes per GPU, from the MPS process query. Where the driver lacks

@@ -36,7 +36,9 @@ def open_inventory(config: cfg.Config):
 def managed_gpus(gpus: list, visible_devices: str | None) -> list:
     """The GPUs the daemon serves: those ``visibleDevices`` names by index (nvidia-smi's
     numbering, which the daemon gets through CUDA_DEVICE_ORDER=PCI_BUS_ID) or UUID; all of
-    them without it, or when it names MIG devices (NVML's GPU list cannot match those)."""
+    them without it, or when it names MIG devices (NVML's GPU list cannot match those).
+    Never a GPU in MIG mode: MPS cannot use it whole (its instances are mpsd/mig_fleet.py's)."""
+    gpus = [g for g in gpus if not getattr(g, "mig_enabled", False)]
     if not visible_devices:
         return list(gpus)
     names = visible_devices.split(",")
@@ -65,10 +67,13 @@ class InventoryPump:
     series cover every GPU; indices and device health only the managed ones."""
 
     def __init__(
-        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None
+        self, inventory, metrics, board: HealthBoard, visible_devices: str | None = None, regions=None,
+        on_listing: Callable[[list], None] | None = None,
     ) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
         self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
+        self._on_listing = on_listing  # each round's GPU listing (MIG: the instances read and served)
+        self.listed: list = []  # the last successful listing
         self._visible_devices = visible_devices
         self._cond = threading.Condition()
         self._pending = self._closed = False
@@ -121,6 +126,12 @@ class InventoryPump:
         managed = managed_gpus(listed, self._visible_devices)
         with self._cond:
             self._indices = [g.index for g in managed]
+            self.listed = list(listed)
+        if self._on_listing is not None:
+            try:
+                self._on_listing(listed)
+            except Exception:  # the GPU series and device health must not depend on it
+                log.exception("inventory round observer failed")
         if self._metrics is not None:
             health = self._board.current()
             self._metrics.update_gpus(listed, clients)
@@ -173,8 +184,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
 
         metrics = Metrics()
     regions = exec_regions(config, metrics)
-    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions)
+    from .mig_node import MigNode  # docs/mig.md: a daemon per MIG instance
+
+    mig = MigNode.create(config, board, inventory, metrics)
+    pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions,
+                         on_listing=mig.fleet.observe if mig is not None else None)
     pump.refresh(regions=False)  # the GPU indices, before any health check needs them; the regions later
+    if mig is not None:  # mixed nodes: the node daemon sees the whole GPUs, each instance has its own
+        config, reload = mig.node_config(config, reload, lambda: pump.listed)
     backend, v3 = sharing_backend(config, inventory, gpus)
     supervisor = Supervisor(
         config,
@@ -187,12 +204,21 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
     dra: PluginRun | None = None
+    mig_plugins: PluginRun | None = None
     if metrics is not None:
         live = supervisor.loop_alive.is_set
-        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra))
+        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra, mig_plugins))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
-    plugin = _start_plugin(config, board, metrics, gpus, stop_plugin, backend) if config.device_plugin.enabled else None
+    plugin = (_start_plugin(config, board, mig.plugin_metrics(metrics) if mig else metrics, gpus, stop_plugin,
+                            backend) if config.device_plugin.enabled else None)
+    if mig is not None:  # MIG slices: per-profile device plugins, DRA devices of the instances
+        from .mig_plugin import run_mig_plugins
+
+        if config.device_plugin.enabled:
+            mig_plugins = _start_service("MIG device plugins", lambda: run_mig_plugins, config, board,
+                                         mig.allocation_metrics, gpus, stop_plugin, fleet=mig.fleet)
+        backend, gpus = mig.faces(config, backend, gpus)
     version = inventory.driver_version if inventory is not None else None  # driverVersion of the slices
     dra = _start_dra(config, board, metrics, gpus, stop_plugin, backend, version) if config.dra.enabled else None
     if v3 is not None:
@@ -203,12 +229,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         if v3 is not None:
             v3.stop_background()
         stop_plugin.set()
-        for run in (plugin, dra):
+        for run in (plugin, dra, mig_plugins):
             if run is not None and run.thread is not None:
                 run.thread.join(10)
         if server is not None:
             server.close()
         pump.close()
+        if mig is not None:  # after the pump: no round may start an instance's daemon again
+            mig.fleet.stop()
         if inventory is not None:
             inventory.close()
 

@@ -60,8 +60,10 @@ class Supervisor(AdoptionMixin):
         gpu_indices: Callable[[], list[int]] = list,
         on_status: Callable[[Status], None] | None = None,
         v3: "V3Supervision | None" = None,
+        daemon_args: tuple[str, ...] = (),
     ) -> None:
         self.config = c = config
+        self.daemon_args = daemon_args  # v2: extra daemon flags (-S for static SM partitions, mpsd/smpartition.py)
         self.v3 = v3  # an MPS v3 daemon (mpsd/sharing/supervise3.py); None: v2's interactive shell
         self.board = board
         self._reload = reload
@@ -221,7 +223,8 @@ class Supervisor(AdoptionMixin):
         if self._independent:
             return independent.attach(self.config, self._exited_cb, self._report)
         dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-        return DaemonProcess(self.config, self._exited_cb, **(self.v3.daemon_options() if self.v3 else {}))
+        return DaemonProcess(self.config, self._exited_cb,
+                             **(self.v3.daemon_options() if self.v3 else {"args": self.daemon_args}))
 
     def _wait_listening(self, daemon: DaemonProcess | independent.AdoptedDaemon) -> None:
         deadline = time.monotonic() + self.config.health_timeout

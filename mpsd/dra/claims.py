@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import DraError
 from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan
+from . import migdevices
 from .devices import COMPUTE, MEMORY, parse_device_name, slice_compute, slice_memory
 from .quantity import parse_quantity  # noqa: F401 (read here; tests import it from here too)
 
@@ -239,14 +240,21 @@ def _consumed(result: Mapping, gpu: GpuLike, where: str) -> tuple[int, float]:
     return int(memory) // MIB * MIB, min(100.0, float(compute))
 
 
-def _take(result: Mapping, gpus: Mapping[int, GpuLike], slices_per_gpu: int, where: str) -> _Take:
-    try:
-        index, k = parse_device_name(result.get("device"))
-    except ValueError as exc:
-        raise DraError(f"{where}: {exc}") from None
-    gpu = gpus.get(index)
-    if gpu is None:
-        raise DraError(f"{where}: GPU {index} is not on this node (GPUs: {sorted(gpus)})")
+def _take(result: Mapping, gpus: Mapping[int, GpuLike], slices_per_gpu: int, where: str,
+          instances: Sequence[GpuLike] = ()) -> _Take:
+    if migdevices.parse_name(result.get("device")) is not None:  # a MIG instance (mpsd/dra/migdevices.py)
+        gpu, k = migdevices.find(instances, result.get("device"))  # type: ignore[arg-type]
+        if gpu is None:
+            raise DraError(f"{where}: that MIG instance is not served on this node (the MIG layout changed)")
+        slices_per_gpu = gpu.slices  # type: ignore[attr-defined]
+    else:
+        try:
+            index, k = parse_device_name(result.get("device"))
+        except ValueError as exc:
+            raise DraError(f"{where}: {exc}; or {migdevices.NAME_FORM}") from None
+        gpu = gpus.get(index)
+        if gpu is None:
+            raise DraError(f"{where}: GPU {index} is not on this node (GPUs: {sorted(gpus)})")
     if result.get("adminAccess"):
         raise DraError(f"{where}: adminAccess is not supported: an MPS client always has limits")
     if k is None:
@@ -258,14 +266,15 @@ def _take(result: Mapping, gpus: Mapping[int, GpuLike], slices_per_gpu: int, whe
 
 
 def _plan(takes: Sequence[_Take], device_ids: tuple[str, ...], ref: ClaimRef) -> Plan:
-    per_gpu: dict[int, list[_Take]] = {}
+    per_gpu: dict[str, list[_Take]] = {}  # by UUID: the instances of one GPU share its index
     for t in takes:
-        per_gpu.setdefault(t.gpu.index, []).append(t)
+        per_gpu.setdefault(t.gpu.uuid, []).append(t)
     shares = []
     percentages = []
-    for ordinal, index in enumerate(sorted(per_gpu)):
-        group = per_gpu[index]
+    for ordinal, uuid in enumerate(sorted(per_gpu, key=lambda u: (per_gpu[u][0].gpu.index, u))):
+        group = per_gpu[uuid]
         gpu = group[0].gpu
+        index = gpu.index
         memory = sum(t.memory for t in group)
         if memory > gpu.memory_total:
             raise DraError(f"claim {ref}: {memory} bytes consumed on GPU {index}, above its {gpu.memory_total}")
@@ -289,13 +298,14 @@ def plan_claim(
     ours = [r for r in results if _get(r, "driver") == driver] if isinstance(results, list) else []
     if not ours:
         raise DraError(f"claim {ref}: no device of driver {driver} allocated")
-    by_index = {g.index: g for g in gpus}
+    by_index = {g.index: g for g in gpus if not getattr(g, "mig", False)}
+    instances = [g for g in gpus if getattr(g, "mig", False)]
     takes, names = [], []
     for r in ours:
         where = f"claim {ref}: device {short(r.get('device'))} of request {short(r.get('request'))}"
         if r.get("pool") != pool:
             raise DraError(f"{where}: pool {short(r.get('pool'))} is not this node's pool {pool!r}")
-        takes.append(_take(r, by_index, slices_per_gpu, where))
+        takes.append(_take(r, by_index, slices_per_gpu, where, instances))
         share_id = r.get("shareID")
         names.append(Result(base_request(str(r.get("request") or "")), pool, str(r["device"]),
                             share_id if isinstance(share_id, str) else ""))

@@ -36,7 +36,7 @@ from ..plugin.state import StateStore
 from ..sharing import Backend, SliceRequest
 from ..sharing.v2 import V2Backend
 from ..trees import remove_tree
-from . import cdi
+from . import cdi, migdevices
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
 from .nvidiacdi import NvidiaSpecs
 
@@ -408,17 +408,24 @@ class Preparer:
         return cdi.spec([
             cdi.device(cdi.device_name(rec.uid, name), req.plan, self.paths, rec.region_dir,
                        client_priority=rec.client_priority, region=cdi.region_file(name),
-                       nodes=cdi.device_nodes(self._minors(req.plan.gpus), self.dev_dir),
-                       grant=self.backend.edits(req))
+                       nodes=self._nodes(req.plan.gpus), grant=self.backend.edits(req))
             for name, req in self.requests(rec)
         ])
+
+    def _nodes(self, shares: Sequence[GpuShare]) -> list[str]:
+        """The device nodes of these GPUs (by NVML's minor numbers) and, for MIG instances, their
+        /dev/nvidia-caps nodes."""
+        nodes = cdi.device_nodes(self._minors(shares), self.dev_dir)
+        return nodes + migdevices.caps_nodes(self.gpus, [g.uuid for g in shares], self.dev_dir)
 
     def _minors(self, shares: Sequence[GpuShare]) -> list[int]:
         """The minor numbers NVML gives these GPUs (by UUID); a GPU it gives none (or no longer
         lists) gets no /dev/nvidia<N> node from mpsd: a node named by a guess could be another
-        GPU's."""
+        GPU's. A MIG instance is reached through its parent GPU's node."""
         minors = {g.uuid: getattr(g, "minor_number", None) for g in self.gpus}
-        return [m for m in (minors.get(s.uuid) for s in shares) if m is not None]
+        parents = {g.uuid: getattr(g, "parent_uuid", None) for g in self.gpus if getattr(g, "mig", False)}
+        uuids = [parents.get(s.uuid) or s.uuid for s in shares]
+        return sorted({m for m in (minors.get(u) for u in uuids) if m is not None})
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

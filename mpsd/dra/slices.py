@@ -20,15 +20,18 @@ two consumable capacities and the request policy the scheduler applies to every 
 Slices mode: N devices per GPU, each allocated whole to one claim, with the slice's memory
 and compute as (fixed) capacities, so ``capacity.requests`` and CEL selectors still pick by size.
 
-GPUs with MIG enabled are left out: MPS runs on whole GPUs here. A pool (named after the node)
-is written as one ResourceSlice per GPU (ceil(devices/64) for a GPU of more than 64 slices-mode
-devices: the API allows at most 64 in a slice once a device has taints). One GPU per slice
-because the 1.34 scheduler checks a request's capacity against the device at the request's
-index in the slice, not the device it picked (kubernetes/kubernetes#133705, fixed in 1.35 by
-#133706 and not backported): in a slice of one device that is the right device.
+GPUs with MIG enabled are not published whole: their instances are, next to the whole GPUs
+(mpsd/dra/migdevices.py; an instance is a ``mpsd.mig.MigDevice`` among ``gpus``). A pool (named
+after the node) is written as one ResourceSlice per GPU, a MIG GPU's instances together
+(ceil(devices/64) for a GPU of more than 64 devices: the API allows at most 64 in a slice once
+a device has taints). One GPU per slice because the 1.34 scheduler checks a request's capacity
+against the device at the request's index in the slice, not the device it picked
+(kubernetes/kubernetes#133705, fixed in 1.35 by #133706 and not backported): in a slice of one
+device that is the right device (a MIG GPU's slice holds several instances: on 1.34 use
+``dra.mode: slices`` there, docs/mig.md).
 
 Taints (``taints``: GPU index -> DeviceTaints, spec.devices[].taints, GA in 1.37) go on every
-device of their GPU. ``comparable`` leaves out a taint's ``timeAdded``: the API server sets it
+device of their whole GPU. ``comparable`` leaves out a taint's ``timeAdded``: the API server sets it
 when a write does not (the field's description in the 1.37 schema).
 """
 
@@ -149,7 +152,8 @@ def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, drive
     if not 1 <= slices_per_gpu <= 100:
         raise ValueError(f"bad slicesPerGpu {slices_per_gpu!r}: expected an integer 1..100")
     out: list[Obj] = []
-    for gpu in sorted((g for g in gpus if not g.mig_enabled), key=lambda g: g.index):
+    instances = [g for g in gpus if getattr(g, "mig", False)]
+    for gpu in sorted((g for g in gpus if not getattr(g, "mig", False) and not g.mig_enabled), key=lambda g: g.index):
         mine = [capacity_device(gpu, driver_version, slices_per_gpu)] if mode == "capacity" \
             else slice_devices(gpu, driver_version, slices_per_gpu)
         for device in mine:
@@ -157,7 +161,9 @@ def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, drive
             if mark:
                 device["taints"] = [dict(t) for t in mark]
         out.extend(mine)
-    return out
+    from . import migdevices  # here: it imports this module
+
+    return out + migdevices.build(instances, mode, driver_version)
 
 
 def slice_name_prefix(node: str, driver: str) -> str:

@@ -107,6 +107,7 @@ class DevicePlugin:
         wake_interval: float = 0.5,
         backend: Backend | None = None,
         memory_hard: Callable[[Plan], dict[int, int]] | None = None,
+        gpu_source: Callable[[], Sequence[GpuLike]] | None = None,
     ) -> None:
         advertised_ids(gpus, slices_per_gpu)  # validates N and the ID lengths up front
         check_resource_name(resource_name)
@@ -148,6 +149,7 @@ class DevicePlugin:
             wake_interval=wake_interval,
             backend=self.backend,
             request_for=self.request_for,
+            gpu_source=gpu_source,
         )
         # streams hold a thread each while open: the pool has room for all of them and the short calls
         self._socket = ServedSocket(
@@ -273,7 +275,7 @@ class DevicePlugin:
         requests = []
         for a in self.store.all():
             try:
-                plan = plan_allocation(list(a.device_ids), self.gpus, self.slices_per_gpu)
+                plan = plan_allocation(list(a.device_ids), self.servicer.gpus, self.slices_per_gpu)
             except PluginError as exc:
                 log.warning("stored allocation not given to the backend allocation=%s error=%s", a.allocation_id, exc)
                 continue

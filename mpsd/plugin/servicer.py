@@ -34,7 +34,7 @@ UNARY_WORKERS = 8  # server threads left for the short calls (Allocate, ...) whe
 def device_list(gpus: Sequence[GpuLike], slices_per_gpu: int, state: HealthState) -> list[tuple[str, str]]:
     """(device ID, health) for every slice: a slice is as healthy as its GPU on the board."""
     return [
-        (slice_id(g.uuid, k), HEALTHY if state.gpu_healthy(g.index) else UNHEALTHY)
+        (slice_id(g.uuid, k), HEALTHY if state.device_healthy(g) else UNHEALTHY)
         for g in sorted(gpus, key=lambda g: g.index)
         for k in range(slices_per_gpu)
     ]
@@ -54,8 +54,10 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         max_streams: int = MAX_STREAMS,
         backend: Backend | None = None,
         request_for: Callable[[Plan, str], SliceRequest] | None = None,
+        gpu_source: Callable[[], Sequence[GpuLike]] | None = None,
     ) -> None:
-        self.gpus = sorted(gpus, key=lambda g: g.index)
+        fixed = sorted(gpus, key=lambda g: g.index)
+        self._gpu_source = gpu_source or (lambda: fixed)  # MIG: the instances served now (mpsd/mig_plugin.py)
         self.backend = backend or V2Backend(paths)  # what a slice becomes on this node (mpsd/sharing)
         self.request_for = request_for or (lambda plan, region_dir: SliceRequest(plan.allocation_id, plan, region_dir))
         self.max_streams = max_streams
@@ -67,7 +69,10 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         self.store = store
         self.stop = stop
         self.wake_interval = wake_interval
-        self._gpu_order = [g.uuid for g in self.gpus]
+
+    @property
+    def gpus(self) -> list[GpuLike]:
+        return sorted(self._gpu_source(), key=lambda g: g.index)
 
     def GetDevicePluginOptions(self, request, context):
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -121,7 +126,7 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
             try:
                 chosen = preferred_allocation(
                     list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size,
-                    self._gpu_order,
+                    [g.uuid for g in self.gpus],
                 )
             except PluginError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -55,3 +55,17 @@ def install_fake_mps_v3(out_dir: Path) -> Path:
     path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKES_DIR / "mps_control_v3.py"}" "$@"\n')
     path.chmod(0o755)
     return path
+
+
+def install_static_partition_standin(out_dir: Path, real_control: Path) -> Path:
+    """An executable ``nvidia-cuda-mps-control`` in out_dir: ``-f -S`` runs the static SM partition
+    stand-in daemon (tests/fakes/mps_control_static.py), anything else the real binary ``real_control``."""
+    import sys
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "nvidia-cuda-mps-control"
+    path.write_text(f'#!/bin/sh\n# stand-in with sm_partition and --static-partitioning\nMPSD_TEST_REAL_CONTROL="{real_control}" exec "{sys.executable}" '
+                    f'"{FAKES_DIR / "mps_control_static.py"}" "$@"\n')
+    path.chmod(0o755)
+    return path

@@ -19,14 +19,18 @@
  *   fail <function> <nvml_error_code>        that exported function returns that code
  *                                            (nvmlInit* too: init then fails)
  *   nomig <gpu_index>                        nvmlDeviceGetMigMode → NOT_SUPPORTED (pre-Ampere)
+ *   minor <gpu_index> <minor>                nvmlDeviceGetMinorNumber (default: the index)
+ *   mig <gpu_index> <mig_index> <MIG-uuid> <gi> <ci> <gi_slices> <ci_slices> <sm_count>
+ *       <total_bytes> <used_bytes> <profile>
+ *                                            a MIG device (compute instance) on a GPU whose MIG
+ *                                            mode is 1; see fake_nvml_mig.c. `mig` lines are read
+ *                                            again while NVML is initialised (a layout change),
+ *                                            everything else only at init.
  *   memlimits <state_file>                   memory partitioning by cgroup is available (R615+,
  *                                            cgroup v2): nvmlDevice{Set,Get}MemoryLimits_v1 keep
  *                                            their limits in <state_file>, shared by every process
  *                                            (fake_nvml_limits.c); without it they answer
  *                                            NOT_SUPPORTED
- *   minor <gpu_index> <minor>                nvmlDeviceGetMinorNumber (default: the index; the
- *                                            driver numbers /dev/nvidia<minor> on its own, so
- *                                            the two differ on real machines)
  *
  * Errors: FAKE_NVML_CONFIG unset, or its file unreadable → nvmlInit* returns
  * NVML_ERROR_DRIVER_NOT_LOADED (9), as the real library does on a machine without the
@@ -43,24 +47,8 @@
 
 #include "fake_nvml.h"
 
-#define FAKE_EXPORT __attribute__((visibility("default")))
-#define FAKE_MAX_GPUS 16
 #define FAKE_MAX_PROCS 256
 #define FAKE_MAX_FAILS 32
-
-
-struct nvmlDevice_st {
-    unsigned int index;
-    char uuid[96];
-    char name[96];
-    unsigned long long total;
-    unsigned long long used;
-    int cc_major;
-    int cc_minor;
-    unsigned int mig;
-    int mig_supported;
-    unsigned int minor;
-};
 
 typedef struct {
     unsigned long long total;
@@ -99,10 +87,10 @@ struct fake_fail {
     nvmlReturn_t code;
 };
 
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned int g_refcount;
-static struct nvmlDevice_st g_gpus[FAKE_MAX_GPUS];
-static unsigned int g_ngpus;
+pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+unsigned int g_refcount;
+struct nvmlDevice_st g_gpus[FAKE_MAX_GPUS];
+unsigned int g_ngpus;
 static struct fake_proc g_procs[FAKE_MAX_PROCS];
 static unsigned int g_nprocs;
 static struct fake_fail g_fails[FAKE_MAX_FAILS];
@@ -110,7 +98,7 @@ static unsigned int g_nfails;
 static char g_driver[80];
 static char g_memlimits[1024];
 
-static int parse_u64(const char *s, unsigned long long *out)
+int parse_u64(const char *s, unsigned long long *out)
 {
     char *end;
     if (s == NULL || *s == '\0' || *s == '-')
@@ -120,7 +108,7 @@ static int parse_u64(const char *s, unsigned long long *out)
     return (errno != 0 || *end != '\0') ? -1 : 0;
 }
 
-static int parse_uint(const char *s, unsigned int *out)
+int parse_uint(const char *s, unsigned int *out)
 {
     unsigned long long v;
     if (parse_u64(s, &v) != 0 || v > 0xffffffffull)
@@ -129,7 +117,7 @@ static int parse_uint(const char *s, unsigned int *out)
     return 0;
 }
 
-static void copy_str(char *dst, size_t size, const char *src)
+void copy_str(char *dst, size_t size, const char *src)
 {
     snprintf(dst, size, "%s", src);
 }
@@ -217,14 +205,14 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
         return NULL;
     }
     if (strcmp(w[0], "minor") == 0) {
-        unsigned int idx, minor;
-        if (n != 3 || parse_uint(w[1], &idx) != 0 || idx >= g_ngpus || parse_uint(w[2], &minor) != 0 ||
-            minor > 255)
-            return "minor needs the index of a gpu defined above and a minor number 0..255";
-        g_gpus[idx].minor = minor;
+        unsigned int idx;
+        if (n != 3 || parse_uint(w[1], &idx) != 0 || idx >= g_ngpus || parse_uint(w[2], &g_gpus[idx].minor) != 0)
+            return "minor needs the index of a gpu defined above and its device minor number";
         return NULL;
     }
-    return "unknown directive (gpu, proc, compute, driver, fail, nomig, memlimits, minor)";
+    if (strcmp(w[0], "mig") == 0)
+        return parse_mig_directive(w, n);
+    return "unknown directive (gpu, proc, compute, driver, fail, nomig, minor, mig, memlimits)";
 }
 
 /* Reads the file into the tables; called with g_lock held. */
@@ -236,6 +224,7 @@ static nvmlReturn_t load_config(void)
     FILE *f;
 
     g_ngpus = g_nprocs = g_nfails = 0;
+    mig_clear();
     g_memlimits[0] = '\0';
     copy_str(g_driver, sizeof(g_driver), "0.0.fake");
     if (path == NULL || (f = fopen(path, "r")) == NULL)
@@ -268,10 +257,12 @@ static nvmlReturn_t load_config(void)
             fprintf(stderr, "fake_nvml: %s:%d: %s\n", path, lineno, problem);
             fclose(f);
             g_ngpus = g_nprocs = g_nfails = 0;
+            mig_clear();
             return NVML_ERROR_UNKNOWN;
         }
     }
     fclose(f);
+    mig_note_file(path);
     return NVML_SUCCESS;
 }
 
@@ -284,8 +275,7 @@ static nvmlReturn_t injected(const char *function)
     return NVML_SUCCESS;
 }
 
-/* Entry check of every query: initialised, then any injected failure. */
-static nvmlReturn_t enter(const char *function)
+nvmlReturn_t enter(const char *function)
 {
     nvmlReturn_t rc;
     pthread_mutex_lock(&g_lock);
@@ -294,11 +284,11 @@ static nvmlReturn_t enter(const char *function)
     return rc;
 }
 
-static struct nvmlDevice_st *device(nvmlDevice_t handle)
+struct nvmlDevice_st *device(nvmlDevice_t handle)
 {
-    if (handle < &g_gpus[0] || handle >= &g_gpus[g_ngpus])
-        return NULL;
-    return handle;
+    if (handle >= &g_gpus[0] && handle < &g_gpus[g_ngpus])
+        return handle;
+    return mig_device(handle);
 }
 
 /* For the other files of the fake (fake_nvml.h). */
@@ -313,7 +303,7 @@ int fake_nvml_device(nvmlDevice_t handle, unsigned int *index, unsigned int *mig
     if (d == NULL)
         return -1;
     *index = d->index;
-    *mig = d->mig;
+    *mig = d->is_mig ? 1 : d->mig;
     return 0;
 }
 
@@ -460,6 +450,9 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
             return NVML_SUCCESS;
         }
     }
+    /* nvml.h: "The UUID of the target GPU or MIG instance" -> "the device handle or MIG device handle" */
+    if ((*out = mig_by_uuid(uuid)) != NULL)
+        return NVML_SUCCESS;
     return NVML_ERROR_NOT_FOUND;
 }
 
@@ -565,23 +558,12 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t handle, unsigned int 
         return rc;
     if ((d = device(handle)) == NULL || current == NULL || pending == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (!d->mig_supported)
+    /* the mode is the GPU's; asked of a MIG device handle the fake answers NOT_SUPPORTED
+     * (inferred: nvml.h lists it for "device doesn't support MIG mode") */
+    if (d->is_mig || !d->mig_supported)
         return NVML_ERROR_NOT_SUPPORTED;
     *current = d->mig;
     *pending = d->mig;
-    return NVML_SUCCESS;
-}
-
-FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t handle, unsigned int *minor);
-FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t handle, unsigned int *minor)
-{
-    struct nvmlDevice_st *d;
-    nvmlReturn_t rc = enter(__func__);
-    if (rc != NVML_SUCCESS)
-        return rc;
-    if ((d = device(handle)) == NULL || minor == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *minor = d->minor;
     return NVML_SUCCESS;
 }
 
@@ -599,8 +581,8 @@ static nvmlReturn_t list_procs(const char *function, enum proc_kind kind, nvmlDe
     if ((d = device(handle)) == NULL || count == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     for (i = 0; i < g_nprocs; i++)
-        if (g_procs[i].kind == kind && g_procs[i].gpu == d->index)
-            n++;
+        if (!d->is_mig && g_procs[i].kind == kind && g_procs[i].gpu == d->index)
+            n++; /* proc/compute lines are GPU-wide: a MIG device handle lists none */
     if (n > *count || (n > 0 && infos == NULL)) {
         *count = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
@@ -608,7 +590,7 @@ static nvmlReturn_t list_procs(const char *function, enum proc_kind kind, nvmlDe
     *count = n;
     n = 0;
     for (i = 0; i < g_nprocs; i++) {
-        if (g_procs[i].kind != kind || g_procs[i].gpu != d->index)
+        if (d->is_mig || g_procs[i].kind != kind || g_procs[i].gpu != d->index)
             continue;
         infos[n].pid = g_procs[i].pid;
         infos[n].usedGpuMemory = g_procs[i].used;

@@ -49,3 +49,10 @@ def nvml_config_text(
         lines.append(f"driver {driver}")
     lines += [f"fail {name} {code}" for name, code in fail]
     return "\n".join(lines) + "\n"
+
+
+def mig_line(gpu: int, slot: int, uuid: str, gi: int, ci: int, gi_slices: int, ci_slices: int, sms: int,
+             total: int, used: int, profile: str) -> str:
+    """One ``mig`` directive: a MIG device (compute instance) ``slot`` on GPU ``gpu`` (format at the
+    top of fake_nvml.c; semantics in fake_nvml_mig.c)."""
+    return f"mig {gpu} {slot} {uuid} {gi} {ci} {gi_slices} {ci_slices} {sms} {total} {used} {profile}\n"
