@@ -135,7 +135,9 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     """PIDs connected to the daemon through its control sockets, from the daemon's own
     descriptors: each socket it accepted on one of them (a copy taken with pidfd_getfd) names
     its peer with SO_PEERCRED. [] when none, or when they cannot be read. (/proc/PID/net/unix
-    would not do: an accepted socket belongs to the network namespace of the one who connected.)"""
+    would not do: an accepted socket belongs to the network namespace of the one who connected.)
+    A peer that has exited holds nothing: a stopped daemon keeps the session of a front-end
+    that died meanwhile (mpsd's own, killed at its timeout) until it runs again."""
     paths = {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}
     try:
         fds = _socket_fds(f"{proc}/{daemon_pid}/fd")
@@ -143,9 +145,22 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     except OSError:
         return []
     try:
-        return sorted({pid for fd in fds if (pid := _session_peer(pidfd, fd, paths)) is not None})
+        peers = {pid for fd in fds if (pid := _session_peer(pidfd, fd, paths)) is not None}
     finally:
         os.close(pidfd)
+    return sorted(pid for pid in peers if alive(pid, proc))
+
+
+def alive(pid: int, proc: str = "/proc") -> bool:
+    """True while ``pid`` runs (a zombie has closed its descriptors: not alive); a PID outside
+    mpsd's PID namespace (0) is taken as alive."""
+    if pid == 0:
+        return True
+    try:
+        stat = _read(f"{proc}/{pid}/stat", 4096).decode(errors="replace")
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _socket_fds(fd_dir: str) -> list[int]:

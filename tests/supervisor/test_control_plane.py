@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpsd import dirs
+from mpsd import dirs, peer
 from mpsd.control import Control
 from mpsd.metrics import Metrics
 from mpsd.node import InventoryPump, _observer, _ready
@@ -235,6 +235,28 @@ def test_a_held_session_turns_readyz_503_naming_the_holder_and_never_kills_the_d
     assert r.sup.status().pid == pid
     assert metric(metrics.scrape().decode(), "mpsd_health_verdict_age_seconds") < age
     pump.close()
+
+
+def test_a_front_end_that_died_inside_a_stopped_daemon_holds_nothing(mps_control, mps_dirs, procs):
+    # Seen as a flake of test_sigstop_is_detected_as_hung_killed_and_restarted: mpsd's own
+    # front-end, accepted just before the SIGSTOP and killed at its timeout, stayed in the stopped
+    # daemon's descriptors, was taken for a holder, and the hang was never declared.
+    pipe, logs = mps_dirs
+    dirs.prepare(str(pipe), str(logs))
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(logs))
+    daemon = subprocess.Popen([str(mps_control), "-f"], env=env, stdout=subprocess.DEVNULL)
+    procs.append(daemon)
+    wait_until(lambda: (pipe / "control").exists(), what="the daemon listening")
+    front_end = subprocess.Popen([str(mps_control)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    procs.append(front_end)
+    wait_until(lambda: peer.session_holders(daemon.pid, str(pipe)) == [front_end.pid], what="the session accepted")
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        front_end.kill()
+        front_end.wait(10)
+        assert peer.session_holders(daemon.pid, str(pipe)) == []
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
 
 
 # ---------------------------------------------------------------- the same through a real `mpsd run`
