@@ -174,6 +174,15 @@ def _driver_name(value: Any) -> str:
     raise ValueError("a DNS subdomain of at most 63 lower-case characters with a dot, e.g. gpu.mpsd.io")
 
 
+def _multi_user(value: Any) -> str:
+    """auto | on | off; YAML 1.1 reads a bare on/off as a boolean, taken as on/off here."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str) and value.lower() in ("auto", "on", "off"):
+        return value.lower()
+    raise ValueError("auto, on or off")
+
+
 def _log_level(value: Any) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
@@ -245,6 +254,8 @@ SETTINGS: tuple[Setting, ...] = (
             "debug | info | warning | error"),
     Setting("faultPolicy", "fault-policy", _choice(("report", "terminate")), "report",
             "clients of an MPS server in FAULT: report (leave them) | terminate (terminate_client, then SIGKILL)"),
+    Setting("multiUser", "multi-user", _multi_user, "auto",
+            "one MPS server for every UID (-multiuser-server, driver 555+): auto (where the daemon can) | on | off"),
     Setting("devicePlugin.enabled", "device-plugin", _bool, False,
             "serve the kubelet device plugin"),
     Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu",
@@ -335,6 +346,7 @@ class Config:
     fault_policy: str
     device_plugin: DevicePluginConfig
     dra: DraConfig = field(default_factory=DraConfig)
+    multi_user: str = "auto"  # auto | on | off (mpsd.multiuser)
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:

@@ -38,8 +38,8 @@ _DIE_WITH_PARENT = (
 )
 
 
-def daemon_command(binary: str) -> list[str]:
-    """The command line that becomes ``BINARY -f`` (through _DIE_WITH_PARENT on Linux)."""
+def daemon_command(binary: str, *options: str) -> list[str]:
+    """The command line that becomes ``BINARY -f [OPTIONS]`` (through _DIE_WITH_PARENT on Linux)."""
     path = shutil.which(binary)
     if path is None:
         raise SetupError(
@@ -47,15 +47,33 @@ def daemon_command(binary: str) -> list[str]:
             "expected a name on PATH or an absolute path"
         )
     if not sys.platform.startswith("linux") or not sys.executable:
-        return [path, "-f"]
-    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f"]
+        return [path, "-f", *options]
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f", *options]
+
+
+def spawn(binary: str, env: dict[str, str], *options: str) -> subprocess.Popen:
+    """``BINARY -f [OPTIONS]`` in a session of its own, its output on one pipe; SetupError
+    when it cannot be started."""
+    try:
+        return subprocess.Popen(
+            daemon_command(binary, *options),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise SetupError(f"cannot start control binary {binary!r}: {exc.strerror}") from exc
 
 
 class DaemonProcess:
     """One ``nvidia-cuda-mps-control -f`` child: its log goes to logDir/control.log. It is
     killed by the kernel if the thread that started it (the supervisor loop) dies."""
 
-    def __init__(self, config: cfg.Config, on_exit: Callable[["DaemonProcess", int], None]) -> None:
+    def __init__(
+        self, config: cfg.Config, on_exit: Callable[["DaemonProcess", int], None], options: tuple[str, ...] = ()
+    ) -> None:
         env = dict(os.environ)
         env["CUDA_MPS_PIPE_DIRECTORY"] = config.pipe_dir
         env["CUDA_MPS_LOG_DIRECTORY"] = config.log_dir
@@ -69,17 +87,7 @@ class DaemonProcess:
         if config.visible_devices:
             env["CUDA_VISIBLE_DEVICES"] = config.visible_devices
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and NVML number them
-        try:
-            self.proc = subprocess.Popen(
-                daemon_command(config.control_binary),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc
+        self.proc = spawn(config.control_binary, env, *options)  # options: mpsd.multiuser
         self.pid = self.proc.pid
         self.started = time.monotonic()
         self.returncode: int | None = None
@@ -87,7 +95,10 @@ class DaemonProcess:
         self._log_path = os.path.join(config.log_dir, "control.log")
         threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
         threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
-        log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
+        log.info(
+            "daemon started pid=%d binary=%s options=%s pipe_dir=%s",
+            self.pid, config.control_binary, " ".join(options) or "-", config.pipe_dir,
+        )
 
     def _pump(self) -> None:
         """Copy the daemon's output to control.log until it closes. The output is always read,

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from . import dirs, drift, peer
+from . import dirs, drift, multiuser, peer
 from .computemode import ComputeMode
 from .config import Config
 from .control import ConfigureError, Control, apply_defaults, limit_early_servers
@@ -77,6 +77,8 @@ class Supervisor:
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
         )
+        self._uid_policy: multiuser.UidPolicy | None = None  # resolved once, at the first start
+        self._waiting = multiuser.WaitingWatch(c.pipe_dir)
         self.loop_alive = threading.Event()
 
     # ---- thread-safe entry points
@@ -114,6 +116,7 @@ class Supervisor:
             self._compute.set_exclusive()
         try:
             self.loop_alive.set()
+            self._resolve_uid_policy()
             self._start(first=True)
             while True:
                 timeout = None if self._next_at is None else max(0.0, self._next_at - time.monotonic())
@@ -131,6 +134,14 @@ class Supervisor:
                 self._daemon.kill()
             if self.config.exclusive_process:
                 self._compute.restore()
+
+    def _resolve_uid_policy(self) -> None:
+        """multiUser against the binary (mpsd.multiuser): SetupError for ``on`` without support."""
+        c = self.config
+        self._uid_policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
+        level = logging.INFO if self._uid_policy.multi_user or c.multi_user == "off" else logging.WARNING
+        log.log(level, "%s", multiuser.describe_policy(self._uid_policy))
+        self._publish(multi_user=self._uid_policy.multi_user)
 
     def _dispatch(self, event: tuple) -> None:
         kind = event[0]
@@ -161,13 +172,15 @@ class Supervisor:
         self._publish(state="starting", restarts=status.restarts + (0 if first else 1))
         try:
             dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-            self._daemon = DaemonProcess(self.config, self._exited_cb)
+            options = self._uid_policy.options if self._uid_policy else ()
+            self._daemon = DaemonProcess(self.config, self._exited_cb, options)
         except SetupError as exc:
             if first:
                 raise
             self._failed(f"cannot start the daemon: {exc}")
             return
         self._faults.reset()
+        self._waiting.clear()
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
@@ -285,7 +298,9 @@ class Supervisor:
             error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
         self.board.update(faulted_gpus=gpus, last_error=error, unverified="")
+        single_uid = self._uid_policy is not None and not self._uid_policy.multi_user
         self._publish(
+            waiting=self._waiting.check(daemon.pid, servers) if single_uid else (),
             verdict_age=0.0,
             fault_terminations=dict(self._faults.counts),
             state="running",

@@ -131,8 +131,9 @@ def test_crash_loop_backs_off(make_config, run_supervisor, tmp_path):
     binary = tmp_path / "crashing-control"
     binary.write_text(f'#!/bin/sh\n[ "$1" = "-f" ] && date +%s.%N >> {starts}\nexit 1\n')
     binary.chmod(0o755)
-    config = make_config(
-        **{"control-binary": str(binary), "restart-backoff-initial": "0.1s", "restart-backoff-max": "0.8s"}
+    config = make_config(  # multiUser off: no -f -multiuser-server probe among the starts counted
+        **{"control-binary": str(binary), "restart-backoff-initial": "0.1s", "restart-backoff-max": "0.8s",
+           "multi-user": "off"}
     )
     r = run_supervisor(config)
     state = r.wait_for(lambda s: "crash loop" in s.last_error, what="crash loop reported")
