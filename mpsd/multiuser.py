@@ -49,6 +49,7 @@ STARTED = "Starting control daemon"
 ROOT_ONLY = "Only root user may enable -multiuser-server"
 FRONT_END = "Cannot find MPS control daemon process"
 OUTPUT_LIMIT = 64 << 10  # bytes of the probe's output read
+LOGGED_PER_CHECK = 8  # waiting clients named in the log per health check; the rest counted
 
 
 # ---------------------------------------------------------------- is there a multi-user server
@@ -245,10 +246,13 @@ class WaitingWatch:
 
     def check(self, daemon_pid: int, servers: list[int]) -> tuple[Waiting, ...]:
         found = {w.pid: w for w in waiting_clients(daemon_pid, self.pipe_dir, servers, self.proc)}
-        for pid, waiting in found.items():
-            if pid not in self._seen:
-                log.warning("MPS client waiting for another UID: %s", waiting.line())
-        for pid in self._seen.keys() - found.keys():
+        new = [found[pid] for pid in sorted(found.keys() - self._seen.keys())]
+        for waiting in new[:LOGGED_PER_CHECK]:
+            log.warning("MPS client waiting for another UID: %s", waiting.line())
+        if len(new) > LOGGED_PER_CHECK:  # a pod forking clients cannot flood the log
+            log.warning("%d more MPS clients waiting for another UID (mpsd status lists them)",
+                        len(new) - LOGGED_PER_CHECK)
+        for pid in sorted(self._seen.keys() - found.keys()):
             log.info("MPS client pid=%d no longer waits for another UID's server", pid)
         self._seen = found
         return tuple(found[pid] for pid in sorted(found))

@@ -121,6 +121,21 @@ def test_resolve_each_mode():
         multiuser.resolve("on", "b", 1, ask(no))
 
 
+def test_the_watch_logs_each_waiting_client_once_and_at_most_a_few_per_check(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="mpsd.multiuser")
+    found: list[multiuser.Waiting] = []
+    monkeypatch.setattr(multiuser, "waiting_clients", lambda *args: list(found))
+    watch = multiuser.WaitingWatch("/pipe")
+    found[:] = [multiuser.Waiting(pid, 1001, ((7, 1000),), f"pid {pid} ('w')") for pid in range(100, 130)]
+    assert [w.pid for w in watch.check(1, [7])] == list(range(100, 130))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == multiuser.LOGGED_PER_CHECK + 1 and lines[-1].startswith("22 more MPS clients waiting")
+    caplog.clear()
+    del found[1:]
+    assert [w.pid for w in watch.check(1, [7])] == [100]
+    assert len(caplog.records) == 29 and all("no longer waits" in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------- the real binaries
 
 
