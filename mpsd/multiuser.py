@@ -49,6 +49,7 @@ STARTED = "Starting control daemon"
 ROOT_ONLY = "Only root user may enable -multiuser-server"
 FRONT_END = "Cannot find MPS control daemon process"
 OUTPUT_LIMIT = 64 << 10  # bytes of the probe's output read
+SHORT_TMP = 48  # longest temp dir used for the probe's pipe dir (the daemon's limit is 87 bytes)
 LOGGED_PER_CHECK = 8  # waiting clients named in the log per health check; the rest counted
 
 
@@ -86,7 +87,8 @@ def probe(binary: str, timeout: float) -> Probe:
     """Start ``binary -f -multiuser-server`` on a private empty pipe dir, read its answer for at
     most ``timeout`` seconds, kill it and its session, remove the directory. SetupError when the
     binary cannot be run at all."""
-    scratch = tempfile.mkdtemp(prefix="mpsd-probe-")
+    short = None if len(tempfile.gettempdir()) <= SHORT_TMP else "/tmp"  # its sockets' paths must fit
+    scratch = tempfile.mkdtemp(prefix="mpsd-probe-", dir=short)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_")}
     env.update(CUDA_MPS_PIPE_DIRECTORY=scratch, CUDA_MPS_LOG_DIRECTORY=scratch)
     try:
@@ -101,26 +103,23 @@ def probe(binary: str, timeout: float) -> Probe:
 
 
 def _read_answer(proc: subprocess.Popen, timeout: float) -> tuple[str, bool, float]:
-    """Output until the daemon says it started, the process exits, or ``timeout``."""
+    """Output until the daemon says it started, the process closes its output (exits), or
+    ``timeout``; whether it exited; seconds waited."""
     assert proc.stdout is not None
     began = time.monotonic()
-    chunks: list[bytes] = []
-    size = 0
+    data, exited = b"", False
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
-        while size < OUTPUT_LIMIT:
+        while len(data) < OUTPUT_LIMIT and STARTED.encode() not in data:
             left = timeout - (time.monotonic() - began)
             if left <= 0 or not sel.select(left):
-                return b"".join(chunks).decode(errors="replace"), False, time.monotonic() - began
+                break
             chunk = os.read(proc.stdout.fileno(), 4096)
             if not chunk:
+                exited = True
                 break
-            chunks.append(chunk)
-            size += len(chunk)
-            if STARTED.encode() in b"".join(chunks):
-                break
-    text = b"".join(chunks).decode(errors="replace")
-    return text, STARTED not in text, time.monotonic() - began
+            data += chunk
+    return data.decode(errors="replace"), exited, time.monotonic() - began
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -129,7 +128,10 @@ def _kill(proc: subprocess.Popen) -> None:
             target()
         except (ProcessLookupError, PermissionError):
             pass
-    proc.wait(10)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:  # stuck in the kernel: left to the kernel, never waited on again
+        log.error("multiUser probe pid=%d did not end 10s after SIGKILL", proc.pid)
     if proc.stdout is not None:
         proc.stdout.close()
 
