@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "mps"
 SOURCE_FILES = (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list"))
 FALLBACK_URI = "http://deb.debian.org/debian"
+KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")  # package debian-archive-keyring
 # id (the driver version it names) -> the Debian suite that carries it (as of November 2026)
 VERSIONS = {
     "535.261": "bookworm",
@@ -159,7 +160,8 @@ def ensure_mps_control(cache_dir: Path = DEFAULT_CACHE, version: str = DEFAULT_V
     for old in (work / "debs").glob(f"{PACKAGE}_*.deb"):
         old.unlink()
     sources = work / "sources.list"
-    sources.write_text(f"deb {mirror_uri()} {suite} non-free\n")
+    signed = f"[signed-by={KEYRING}] " if KEYRING.is_file() else ""  # else apt's trusted keys
+    sources.write_text(f"deb {signed}{mirror_uri()} {suite} non-free\n")
     apt = [
         "apt-get",
         "-q",
