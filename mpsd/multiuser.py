@@ -11,8 +11,8 @@ root"); 535 and 550 do not know the option (docs/mps-versions.md).
 
 - :func:`probe` asks the binary itself: it starts ``BINARY -f -multiuser-server`` on a private,
   empty pipe dir and reads what it says. A daemon that knows the option starts ("Starting
-  control daemon ..."); 535 and 550 ignore their arguments past the first and run as a
-  front-end, which finds no daemon there ("Cannot find MPS control daemon process"); a binary
+  control daemon ..."); 535 and 550 start a daemon only for a lone -d or -f and otherwise run
+  as a front-end, which finds no daemon there ("Cannot find MPS control daemon process"); a binary
   that refuses the option prints its help and exits. The probe is killed at once either way.
 - :func:`resolve` turns ``multiUser`` (auto | on | off) and the probe into the daemon's options.
 - Where the daemon serves one UID at a time, :class:`WaitingWatch` finds at each health check
