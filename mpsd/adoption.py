@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import independent
+from . import independent, multiuser
 
 if TYPE_CHECKING:
     from .config import Config
@@ -24,6 +24,7 @@ class AdoptionMixin:
     config: Config
     board: HealthBoard
     _said: str
+    _uid_policy: multiuser.UidPolicy | None
     _adopting: bool
     _applied: Config
     _defaults_stale: bool
@@ -41,6 +42,10 @@ class AdoptionMixin:
         the health check, which reads its defaults back and sets those that differ (no quit, no
         restart, no server touched). /readyz turns ready once that check passes."""
         log.info("adopted the running control daemon pid=%d pipe_dir=%s", daemon.pid, self.config.pipe_dir)
+        shared = multiuser.daemon_is_multi_user(daemon.pid)  # how it was started, not what mpsd would start
+        if shared is not None:
+            self._uid_policy = multiuser.UidPolicy(shared, (), "the adopted daemon's command line")
+            self._publish(multi_user=shared)
         self._applied, self._defaults_stale, self._verdict_at = self.config, False, time.monotonic()
         self._publish(state="running", pid=daemon.pid)
         self._adopting = True

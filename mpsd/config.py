@@ -250,6 +250,15 @@ def _protocol(value: Any) -> str:
     raise ValueError(" | ".join(PROTOCOLS))
 
 
+def _multi_user(value: Any) -> str:
+    """auto | on | off; YAML 1.1 reads a bare on/off as a boolean, taken as on/off here."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str) and value.lower() in ("auto", "on", "off"):
+        return value.lower()
+    raise ValueError("auto, on or off")
+
+
 def _log_level(value: Any) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
@@ -323,6 +332,8 @@ SETTINGS: tuple[Setting, ...] = (
             "clients of an MPS server in FAULT: report (leave them) | terminate (terminate_client, then SIGKILL)"),
     Setting("daemonLifecycle", "daemon-lifecycle", _choice(LIFECYCLES), "owned",
             "owned (mpsd's child, quit when mpsd stops) | independent (outlives mpsd; the next mpsd adopts it)"),
+    Setting("multiUser", "multi-user", _multi_user, "auto",
+            "one MPS server for every UID (-multiuser-server, driver 555+): auto (where the daemon can) | on | off"),
     Setting("devicePlugin.enabled", "device-plugin", _bool, False,
             "serve the kubelet device plugin"),
     Setting("devicePlugin.resourceName", "resource-name", _text, "mpsd.io/gpu",
@@ -460,6 +471,7 @@ class Config:
     mps: MpsConfig = field(default_factory=MpsConfig)
     daemon_lifecycle: str = "owned"
     mig: MigConfig = field(default_factory=MigConfig)
+    multi_user: str = "auto"  # auto | on | off (mpsd.multiuser)
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:

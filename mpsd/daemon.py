@@ -40,8 +40,8 @@ _DIE_WITH_PARENT = (
 )
 
 
-def daemon_command(binary: str, args: Sequence[str] = ()) -> list[str]:
-    """The command line that becomes ``BINARY -f ARGS`` (through _DIE_WITH_PARENT on Linux)."""
+def daemon_command(binary: str, *options: str) -> list[str]:
+    """The command line that becomes ``BINARY -f [OPTIONS]`` (through _DIE_WITH_PARENT on Linux)."""
     path = shutil.which(binary)
     if path is None:
         raise SetupError(
@@ -49,8 +49,24 @@ def daemon_command(binary: str, args: Sequence[str] = ()) -> list[str]:
             "expected a name on PATH or an absolute path"
         )
     if not sys.platform.startswith("linux") or not sys.executable:
-        return [path, "-f", *args]
-    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f", *args]
+        return [path, "-f", *options]
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), os.path.abspath(path), "-f", *options]
+
+
+def spawn(binary: str, env: dict[str, str], *options: str) -> subprocess.Popen:
+    """``BINARY -f [OPTIONS]`` in a session of its own, its output on one pipe; SetupError
+    when it cannot be started."""
+    try:
+        return subprocess.Popen(
+            daemon_command(binary, *options),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise SetupError(f"cannot start control binary {binary!r}: {exc.strerror}") from exc
 
 
 def daemon_env(config: cfg.Config) -> dict[str, str]:
@@ -78,20 +94,11 @@ class DaemonProcess:
         on_exit: Callable[["DaemonProcess", int], None],
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        options: tuple[str, ...] = (),
     ) -> None:
         full_env = daemon_env(config)  # args, env: the sharing backend's (MPS v3: -p 3 -a FILE)
         full_env.update(env or {})
-        try:
-            self.proc = subprocess.Popen(
-                daemon_command(config.control_binary, args),
-                env=full_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise SetupError(f"cannot start control binary {config.control_binary!r}: {exc.strerror}") from exc
+        self.proc = spawn(config.control_binary, full_env, *options, *args)  # options: mpsd.multiuser
         self.pid = self.proc.pid
         self.started = time.monotonic()
         self.returncode: int | None = None
@@ -101,7 +108,10 @@ class DaemonProcess:
         self._pump_thread = threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True)
         self._pump_thread.start()
         threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
-        log.info("daemon started pid=%d binary=%s pipe_dir=%s", self.pid, config.control_binary, config.pipe_dir)
+        log.info(
+            "daemon started pid=%d binary=%s options=%s pipe_dir=%s",
+            self.pid, config.control_binary, " ".join(options) or "-", config.pipe_dir,
+        )
 
     def _pump(self) -> None:
         """Copy the daemon's output to control.log until it closes. The output is always read,

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from . import config as cfg
-from . import dirs, genuine, peer
+from . import dirs, genuine, multiuser, peer
 from .control import Control
 from .daemon import DaemonProcess, quit_daemon
 from .errors import SetupError
@@ -101,7 +101,11 @@ class Holder:
         self._events.put(("stop",))
 
     def run(self) -> int:
-        """Until SIGTERM (stop()); 0 then."""
+        """Until SIGTERM (stop()); 0 then. The daemon is started multi-user where multiUser and
+        the binary allow (mpsd.multiuser, asked of the binary once)."""
+        c = self.config
+        policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
+        log.info("%s", multiuser.describe_policy(policy))
         while True:
             foreign = genuine.control_lock_holder(self.config.pipe_dir)
             if foreign is not None:
@@ -110,7 +114,8 @@ class Holder:
                 continue
             try:
                 dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-                daemon = DaemonProcess(self.config, lambda d, code: self._events.put(("exited", d, code)))
+                daemon = DaemonProcess(self.config, lambda d, code: self._events.put(("exited", d, code)),
+                                       options=policy.options)
             except SetupError as exc:
                 if self._back_off(f"cannot start the daemon: {exc}"):
                     return 0

@@ -127,9 +127,10 @@ def _leads_group(pid: int, proc: str = "/proc") -> bool:
         return False
 
 
-def start_detached(config: cfg.Config) -> None:
-    """Run ``controlBinary -d``: the daemon forks into its own session and the command returns
-    once it listens. ControlError (one line) when it does not, in healthTimeout."""
+def start_detached(config: cfg.Config, options: tuple[str, ...] = ()) -> None:
+    """Run ``controlBinary -d [OPTIONS]`` (OPTIONS: mpsd.multiuser's): the daemon forks into its
+    own session and the command returns once it listens. ControlError (one line) when it does
+    not, in healthTimeout."""
     path = shutil.which(config.control_binary)
     if path is None:
         raise SetupError(
@@ -138,7 +139,7 @@ def start_detached(config: cfg.Config) -> None:
         )
     try:
         proc = subprocess.run(
-            [path, "-d"], env=daemon_env(config), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            [path, "-d", *options], env=daemon_env(config), stdin=subprocess.DEVNULL, capture_output=True, text=True,
             timeout=config.health_timeout, start_new_session=True,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -176,7 +177,7 @@ def _self_cgroup() -> str:
 
 
 def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], None],
-           on_refused: Callable[[Refused], object]) -> AdoptedDaemon:  # fmt: skip
+           on_refused: Callable[[Refused], object], options: tuple[str, ...] = ()) -> AdoptedDaemon:  # fmt: skip
     """The pipe dir's genuine daemon, adopted; where none runs and no holder keeps one, one
     started detached. Waiting while a holder (or a daemon that is starting) is to bring one up;
     Refused (one line) for a daemon that is not adopted; SetupError, ControlError at a start.
@@ -215,7 +216,7 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     if dirs.daemon_holds_lock(Path(os.path.normpath(config.pipe_dir))):
         raise Waiting(f"a control daemon is starting on pipe dir {config.pipe_dir}")  # raced in since the proof
     dirs.prepare(config.pipe_dir, config.log_dir)
-    start_detached(config)
+    start_detached(config, options)
     proof = genuine.prove(config.pipe_dir, config.control_binary)
     if proof.pid is None:
         raise Refused(proof) if proof.problem else ControlError(f"the daemon started on {config.pipe_dir} is gone")

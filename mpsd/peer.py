@@ -7,9 +7,9 @@ in the daemon's place. mpsd therefore asks the kernel, not the answers:
 - :func:`impostor` connects to each socket and reads ``SO_PEERCRED``: for a unix socket it
   names the process that called ``listen()`` (set by the kernel, not forgeable by the
   listener). Anything but the daemon mpsd started is an impostor.
-- :func:`session_holders` names the processes connected to the daemon's control sockets: the
-  daemon's accepted sockets, duplicated with ``pidfd_getfd`` (mpsd's own child), each read
-  with ``SO_PEERCRED``, wherever (whichever namespace) the peer is.
+- :func:`session_holders` / :func:`session_peers` name the processes connected to the
+  daemon's control sockets: the daemon's accepted sockets, duplicated with ``pidfd_getfd``
+  (mpsd's own child), each read with ``SO_PEERCRED``, wherever (whichever namespace) the peer is.
 - :func:`mps_client_problem` is the proof asked before mpsd signals a process the daemon
   listed as a client: its environment names this pipe dir and it maps a CUDA driver.
 
@@ -135,7 +135,16 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     """PIDs connected to the daemon through its control sockets, from the daemon's own
     descriptors: each socket it accepted on one of them (a copy taken with pidfd_getfd) names
     its peer with SO_PEERCRED. [] when none, or when they cannot be read. (/proc/PID/net/unix
-    would not do: an accepted socket belongs to the network namespace of the one who connected.)"""
+    would not do: an accepted socket belongs to the network namespace of the one who connected.)
+    A peer that has exited holds nothing: a stopped daemon keeps the session of a front-end
+    that died meanwhile (mpsd's own, killed at its timeout) until it runs again."""
+    return sorted({pid for pid, _uid in session_peers(daemon_pid, pipe_dir, proc)})
+
+
+def session_peers(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list[tuple[int, int]]:
+    """(PID, UID) of every live process the daemon holds a connection of on its control
+    sockets: front-end sessions, servers, and CUDA clients (a client waiting for its server
+    stays connected, mpsd/multiuser.py). [] when they cannot be read."""
     paths = {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}
     try:
         fds = _socket_fds(f"{proc}/{daemon_pid}/fd")
@@ -143,9 +152,22 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     except OSError:
         return []
     try:
-        return sorted({pid for fd in fds if (pid := _session_peer(pidfd, fd, paths)) is not None})
+        peers = {peer for fd in fds if (peer := _session_peer(pidfd, fd, paths)) is not None}
     finally:
         os.close(pidfd)
+    return sorted(peer for peer in peers if alive(peer[0], proc))
+
+
+def alive(pid: int, proc: str = "/proc") -> bool:
+    """True while ``pid`` runs (a zombie has closed its descriptors: not alive); a PID outside
+    mpsd's PID namespace (0) is taken as alive."""
+    if pid == 0:
+        return True
+    try:
+        stat = _read(f"{proc}/{pid}/stat", 4096).decode(errors="replace")
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _socket_fds(fd_dir: str) -> list[int]:
@@ -159,9 +181,9 @@ def _socket_fds(fd_dir: str) -> list[int]:
     return fds
 
 
-def _session_peer(pidfd: int, fd: int, paths: set[str]) -> int | None:
-    """The PID at the other end of the daemon's ``fd`` if it is a session accepted on one of
-    ``paths``; None for anything else (a listener, another socket, one closed meanwhile)."""
+def _session_peer(pidfd: int, fd: int, paths: set[str]) -> tuple[int, int] | None:
+    """(PID, UID) at the other end of the daemon's ``fd`` if it is a connection accepted on one
+    of ``paths``; None for anything else (a listener, another socket, one closed meanwhile)."""
     dup = ctypes.CDLL(None, use_errno=True).syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
     if dup < 0:
         return None  # closed meanwhile, or no pidfd_getfd (Linux < 5.6)
@@ -171,12 +193,21 @@ def _session_peer(pidfd: int, fd: int, paths: set[str]) -> int | None:
             return None
         if sock.getsockname() not in paths:  # an accepted socket has its listener's address
             return None
-        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError:
         return None
     finally:
         sock.close()
-    return pid
+    return pid, uid
+
+
+def maps_cuda(pid: int, proc: str = "/proc") -> bool:
+    """True if ``pid`` maps a CUDA driver (every CUDA client does; a front-end does not);
+    False when its maps cannot be read."""
+    try:
+        return maps_cuda_driver(_read(f"{proc}/{pid}/maps", MAPS_LIMIT).decode(errors="replace"))
+    except OSError:
+        return False
 
 
 def mps_client_problem(pid: int, pipe_dir: str, proc: str = "/proc") -> str:

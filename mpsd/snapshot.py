@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .multiuser import Waiting
 
 
 @dataclass(frozen=True)
@@ -23,3 +27,5 @@ class Status:
     impostors: int = 0  # control sockets found served by another process than the daemon
     defaults_restored: int = 0  # health checks that found the daemon's defaults changed and put them back
     verdict_age: float = 0.0  # seconds since the last conclusive health check, as of the last one
+    multi_user: bool | None = None  # the daemon serves every UID from one server (None: not started yet)
+    waiting: tuple[Waiting, ...] = ()  # clients waiting for another UID's server, at the last health check

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
 
 from . import config as cfg
-from . import drift
+from . import drift, multiuser, peer
 from .control import Control, PsEntry
 from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError, MpsdError, printable
 from .node import LOG_FORMAT, open_inventory
@@ -31,6 +32,8 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
         "servers": [],
         "gpus": [],
         "clients": [],
+        "multiUser": None,  # the daemon serves every UID from one server (None: cannot tell)
+        "waiting": [],  # clients waiting for another UID's server (mpsd.multiuser)
     }
     from .sharing.build import read_record
 
@@ -73,6 +76,7 @@ def _collect_v2(control: Control, config: cfg.Config, out: dict[str, Any]) -> No
         for server in control.get_server_list():
             out["servers"].append({"pid": server, "clients": control.get_client_list(server)})
         out["clients"] = [asdict(p) for p in ps]
+        out["multiUser"], out["waiting"] = _uid_sharing(config.pipe_dir, [s["pid"] for s in out["servers"]])
     except DaemonNotRunning as exc:
         out["error"] = str(exc)
     except ControlBusy as exc:  # it runs, but another front-end holds it
@@ -101,6 +105,21 @@ def _collect_v3(config: cfg.Config, out: dict[str, Any]) -> None:
         out["daemon"] = "unhealthy"
         out["error"] = str(exc)
 
+
+
+def _uid_sharing(pipe_dir: str, servers: list[int]) -> tuple[bool | None, list[dict[str, Any]]]:
+    """Whether the daemon behind the pipe dir runs multi-user, and the clients waiting for
+    another UID's server: from the kernel's view of its sockets (needs root, as mpsd run has)."""
+    for name in peer.CONTROL_SOCKETS:
+        daemon = peer.listener_pid(os.path.join(pipe_dir, name))
+        if daemon:
+            break
+    else:
+        return None, []
+    multi = multiuser.daemon_is_multi_user(daemon)
+    if multi is not False:
+        return multi, []
+    return False, [w.as_dict() for w in multiuser.waiting_clients(daemon, pipe_dir, servers)]
 
 
 def _claims(config: cfg.Config) -> list[dict[str, Any]]:
@@ -169,6 +188,12 @@ def render_status(data: dict[str, Any]) -> str:
             lines.append(f"  namespace {server['name']}/{n['name']}: memory {n['pinned_memory_limit'] or '-'} "
                          f"threads {n['active_thread_percentage'] or '-'} priority {n['client_priority'] or '-'} "
                          f"clients {n['clients']}")
+    if data.get("multiUser") is not None:
+        lines.append("UIDs: " + ("every UID shares one server (-multiuser-server)" if data["multiUser"]
+                                 else "one UID at a time (a client of another UID waits)"))
+    for w in data.get("waiting", []):
+        servers = ", ".join(f"{s['pid']} (uid {s['uid']})" for s in w["servers"])
+        lines.append(f"WAITING for another UID's server: {w['who']} uid {w['uid']}; running server {servers}")
     lines += _render_claims(data.get("claims", []))
     if not data["clients"]:
         lines.append("clients: none")

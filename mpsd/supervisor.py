@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import dirs, drift, independent, peer
+from . import dirs, drift, independent, multiuser, peer
 from .computemode import ComputeMode
 from .config import Config
 from .control import ConfigureError, Control, apply_defaults, limit_early_servers
@@ -90,6 +90,8 @@ class Supervisor(AdoptionMixin):
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
         )
+        self._uid_policy: multiuser.UidPolicy | None = None  # resolved once, at the first start
+        self._waiting = multiuser.WaitingWatch(c.pipe_dir)
         self.loop_alive = threading.Event()
 
     # ---- thread-safe entry points
@@ -127,6 +129,7 @@ class Supervisor(AdoptionMixin):
             self._compute.set_exclusive()
         try:
             self.loop_alive.set()
+            self._resolve_uid_policy()
             self._start(first=True)
             while True:
                 timeout = None if self._next_at is None else max(0.0, self._next_at - time.monotonic())
@@ -146,6 +149,14 @@ class Supervisor(AdoptionMixin):
                 self._daemon.kill()
             if self.config.exclusive_process and not self._independent:  # the mode belongs with the daemon
                 self._compute.restore()
+
+    def _resolve_uid_policy(self) -> None:
+        """multiUser against the binary (mpsd.multiuser): SetupError for ``on`` without support."""
+        c = self.config
+        self._uid_policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
+        level = logging.INFO if self._uid_policy.multi_user or c.multi_user == "off" else logging.WARNING
+        log.log(level, "%s", multiuser.describe_policy(self._uid_policy))
+        self._publish(multi_user=self._uid_policy.multi_user)
 
     def _dispatch(self, event: tuple) -> None:
         kind = event[0]
@@ -193,6 +204,7 @@ class Supervisor(AdoptionMixin):
         if isinstance(self._daemon, independent.AdoptedDaemon) and not self._daemon.fresh:
             return self._adopt(self._daemon)
         self._adopting = False
+        self._waiting.clear()
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
@@ -220,10 +232,11 @@ class Supervisor(AdoptionMixin):
         )
 
     def _launch(self) -> DaemonProcess | independent.AdoptedDaemon:
+        options = self._uid_policy.options if self._uid_policy else ()  # mpsd.multiuser
         if self._independent:
-            return independent.attach(self.config, self._exited_cb, self._report)
+            return independent.attach(self.config, self._exited_cb, self._report, options)
         dirs.prepare(self.config.pipe_dir, self.config.log_dir)
-        return DaemonProcess(self.config, self._exited_cb,
+        return DaemonProcess(self.config, self._exited_cb, options=options,
                              **(self.v3.daemon_options() if self.v3 else {"args": self.daemon_args}))
 
     def _wait_listening(self, daemon: DaemonProcess | independent.AdoptedDaemon) -> None:
@@ -327,7 +340,9 @@ class Supervisor(AdoptionMixin):
             error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
         self.board.update(daemon_up=True, configured=True, faulted_gpus=gpus, last_error=error, unverified="")
+        single_uid = self._uid_policy is not None and not self._uid_policy.multi_user
         self._publish(
+            waiting=self._waiting.check(daemon.pid, servers) if single_uid else (),
             verdict_age=0.0,
             fault_terminations=dict(self._faults.counts),
             state="running",

@@ -95,6 +95,16 @@ class SupervisorMetrics(Families):
             registry=r,
         )
         self._control_seen = (0, 0)  # (impostors, defaults restored) of the previous snapshot
+        self.multi_user = Gauge(
+            "mpsd_mps_multi_user",
+            "1 while the MPS daemon serves every UID from one server (-multiuser-server), 0 one UID at a time",
+            registry=r,
+        )
+        self.clients_waiting = Gauge(
+            "mpsd_mps_clients_waiting",
+            "CUDA clients the MPS daemon holds waiting for a server of another UID (at the last health check)",
+            registry=r,
+        )
         self.mps_servers_faulted = Gauge(
             "mpsd_mps_servers_faulted", "MPS servers in FAULT at the last health check", registry=r
         )
@@ -200,6 +210,12 @@ class SupervisorMetrics(Families):
         if defaults_restored > seen_restored:
             self.defaults_restored.inc(defaults_restored - seen_restored)
         self.verdict_age.set(verdict_age)
+
+    def set_uid_sharing(self, multi_user: bool | None, waiting: int) -> None:
+        """How the daemon shares a GPU between UIDs (mpsd.multiuser); multi_user None: not known yet."""
+        if multi_user is not None:
+            self.multi_user.set(1.0 if multi_user else 0.0)
+        self.clients_waiting.set(float(waiting))
 
     def set_fault_terminations(self, totals: Mapping[str, int]) -> None:
         """Running totals per method (terminate_client, sigkill): each counter advances by the

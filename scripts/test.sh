@@ -14,7 +14,9 @@ for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unsha
         podman:podman runc:runc promtool:prometheus prometheus:prometheus openssl:openssl; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
-dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
+for pkg in busybox-static debian-archive-keyring; do  # the keys: each Debian suite tests/mpsbin.py fetches
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || need+=("$pkg")
+done
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

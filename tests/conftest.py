@@ -10,6 +10,9 @@
 - `podman`: real containers (podman + runc, a busybox image), see tests/container.py.
 - `shim_env(...)`: the environment a client under the shim needs (preload, fake driver,
   a private region file, limits).
+- `mps_control`: the real nvidia-cuda-mps-control (tests/mpsbin.py) of `mps_version`. A test
+  marked `every_mps_version` runs once per version MPSD_TEST_MPS_VERSIONS selects (CI: all);
+  every other test gets the first selected version (default 535.261).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import pytest
 
 from tests.container import Podman, podman_unavailable
 from tests.fakes import build_fakes
+from tests.mpsbin import DEFAULT_CACHE, FetchError, ensure_mps_control, selected_versions
 from tests.regionholder import build_holder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,3 +120,41 @@ def podman() -> Iterator[Podman]:
         yield box
     finally:
         box.cleanup()
+
+
+def _mps_versions() -> list[str]:
+    try:
+        return selected_versions()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _mps_versions()  # a bad MPSD_TEST_MPS_VERSIONS stops the run before any test
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests marked every_mps_version take each selected real daemon version in turn."""
+    if "mps_version" in metafunc.fixturenames and metafunc.definition.get_closest_marker("every_mps_version"):
+        versions = _mps_versions()
+        metafunc.parametrize("mps_version", versions, indirect=True, ids=[f"mps{v}" for v in versions])
+
+
+@pytest.fixture(scope="session")
+def mps_version(request: pytest.FixtureRequest) -> str:
+    """The id (tests/mpsbin.py VERSIONS) of the real MPS daemon this test runs against."""
+    return getattr(request, "param", _mps_versions()[0])
+
+
+@pytest.fixture(scope="session")
+def mps_control(mps_version: str) -> Path:
+    """The real nvidia-cuda-mps-control of ``mps_version``. A failed fetch FAILS the test
+    (CI has the network)."""
+    try:
+        return ensure_mps_control(Path(os.environ.get("MPSD_TEST_MPS_CACHE", DEFAULT_CACHE)), mps_version)
+    except FetchError as exc:
+        pytest.fail(f"cannot fetch the real nvidia-cuda-mps-control {mps_version}: {exc}", pytrace=False)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"real MPS daemon versions: {', '.join(_mps_versions())} ({'MPSD_TEST_MPS_VERSIONS'} selects; all: CI)"

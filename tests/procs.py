@@ -16,7 +16,8 @@ BINARY = "nvidia-cuda-mps-control"
 
 
 def control_daemons(pid: int) -> list[psutil.Process]:
-    """PID's descendants running ``nvidia-cuda-mps-control -f``; none if PID is gone."""
+    """PID's descendants running ``nvidia-cuda-mps-control -f`` (with options such as
+    ``-multiuser-server``, not a front-end); none if PID is gone."""
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -27,7 +28,7 @@ def control_daemons(pid: int) -> list[psutil.Process]:
             argv = child.cmdline()
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue  # a front-end that just ended
-        if argv and os.path.basename(argv[0]) == BINARY and argv[1:] == ["-f"]:
+        if argv and os.path.basename(argv[0]) == BINARY and argv[1:2] == ["-f"]:
             found.append(child)
     return found
 

@@ -39,6 +39,8 @@ LOOSENED = [
     ("MpsdDaemonDown", "for", "5m", "0m"),
     ("MpsdDaemonRestartStorm", "expr", ">= 3", ">= 1"),
     ("MpsdServerInFault", "for", "5m", "0m"),
+    ("MpsdClientWaitingForOtherUid", "for", "3m", "0m"),
+    ("MpsdClientWaitingForOtherUid", "expr", "> 0", ">= 0"),
     ("MpsdHealthVerdictStale", "for", "5m", "0m"),
     ("MpsdHealthVerdictStale", "expr", " and mpsd_daemon_up == 1", ""),
     ("MpsdDefaultsRestored", "expr", "> 0", ">= 0"),

@@ -1,4 +1,5 @@
-"""Fixtures for the supervisor tests: the real control binary and configs under tmp dirs."""
+"""Fixtures for the supervisor tests: configs under tmp dirs for the real control binary
+(``mps_control``, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,6 @@ import pytest
 from mpsd import config as cfg
 from mpsd.health import HealthBoard
 from mpsd.supervisor import Supervisor
-from tests.mpsbin import DEFAULT_CACHE, FetchError, ensure_mps_control
-
-
-@pytest.fixture(scope="session")
-def mps_control() -> Path:
-    """The real nvidia-cuda-mps-control. A failed fetch FAILS the test (CI has the network)."""
-    try:
-        return ensure_mps_control(Path(os.environ.get("MPSD_TEST_MPS_CACHE", DEFAULT_CACHE)))
-    except FetchError as exc:
-        pytest.fail(f"cannot fetch the real nvidia-cuda-mps-control: {exc}", pytrace=False)
 
 
 @pytest.fixture

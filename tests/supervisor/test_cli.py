@@ -76,6 +76,7 @@ def flags(mps_control, mps_dirs, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in values.items()]
 
 
+@pytest.mark.every_mps_version
 @pytest.mark.mps_binary
 def test_run_serves_probes_and_sigterm_exits_0_leaving_no_daemon(mps_control, mps_dirs):
     port = free_port()

@@ -1,4 +1,5 @@
-"""Every control command against the real nvidia-cuda-mps-control 535 (no GPU needed)."""
+"""Every control command against the real nvidia-cuda-mps-control, each Debian version of it
+(MPSD_TEST_MPS_VERSIONS; no GPU needed)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from mpsd import dirs
 from mpsd.control import CommandRejected, Control, UnknownCommand
 from mpsd.errors import ControlBusy, ControlTimeout, DaemonNotRunning
+from tests.mpsbin import knows_server_status
 from tests.supervisor.conftest import FrontEndHolder
 
-pytestmark = pytest.mark.mps_binary
+pytestmark = [pytest.mark.mps_binary, pytest.mark.every_mps_version]
 G, M = 1 << 30, 1 << 20
 
 
@@ -82,14 +84,19 @@ def test_rejections_raise(daemon):
         control.call("bogus")
 
 
-def test_server_commands_without_gpu(daemon):
+def test_server_commands_without_gpu(daemon, mps_version):
     control, _ = daemon
     assert control.get_server_list() == []
     assert control.ps() == []  # "Server not found" means no clients
     assert control.get_device_client_list() == {}
     control.start_server(os.getuid())  # accepted; the server exits at once without a GPU
-    with pytest.raises(UnknownCommand):  # 535 has no get_server_status (550+)
-        control.get_server_status(1)
+    if knows_server_status(mps_version):  # 550+: the command is known, the server is not
+        with pytest.raises(CommandRejected, match="Server 1 not found") as raised:
+            control.get_server_status(1)
+        assert not isinstance(raised.value, UnknownCommand)
+    else:
+        with pytest.raises(UnknownCommand):  # 535 has no get_server_status
+            control.get_server_status(1)
 
 
 def test_quit_stops_the_daemon(daemon):

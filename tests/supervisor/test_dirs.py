@@ -72,6 +72,7 @@ def test_lock_held_by_another_process_is_refused(tmp_path):
     assert not lock.exists()
 
 
+@pytest.mark.every_mps_version
 def test_real_daemon_after_sigkill_leaves_files_that_prepare_clears(mps_control, mps_dirs):
     pipe, logs = mps_dirs
     dirs.prepare(str(pipe), str(logs))

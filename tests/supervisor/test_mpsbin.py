@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mpsbin import FetchError, _run, parse_debian_source
+from tests.mpsbin import VERSIONS, FetchError, _run, embedded_version, parse_debian_source, selected_versions
 
 DEB822 = """Types: deb
 URIs: http://deb.debian.org/debian
@@ -33,8 +33,37 @@ def test_parse_debian_source(text, found):
     assert parse_debian_source(text) == found
 
 
-def test_the_fixture_gives_the_real_binary(mps_control):
+@pytest.mark.every_mps_version
+def test_the_fixture_gives_the_real_binary(mps_control, mps_version):
     assert mps_control.name == "nvidia-cuda-mps-control" and mps_control.stat().st_mode & 0o111
+    assert embedded_version(mps_control).startswith(mps_version.split(".")[0] + ".")
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("", ["535.261"]),
+        ("all", list(VERSIONS)),
+        ("555.58", ["555.58"]),
+        (" 550.163, 535.216,550.163 ", ["550.163", "535.216"]),
+    ],
+)
+def test_selected_versions(value, expected):
+    assert selected_versions(value) == expected
+
+
+@pytest.mark.parametrize("value", ["535", "all,555.58", ",", "560.35"])
+def test_a_bad_version_selection_is_one_line_naming_the_ids(value):
+    with pytest.raises(ValueError, match=r"^MPSD_TEST_MPS_VERSIONS=.*: expected 'all' or ids from 535.261, 535.216"):
+        selected_versions(value)
+
+
+def test_the_embedded_version_is_the_drivers(tmp_path):
+    binary = tmp_path / "b"
+    binary.write_bytes(b"\x7fELF\x00junk\x00%s/control\x00555.58.02\x00CUDA MPS\x00")
+    assert embedded_version(binary) == "555.58.02"
+    binary.write_bytes(b"\x00no version 12.3\x00")
+    assert embedded_version(binary) is None
 
 
 def test_a_stuck_or_missing_apt_is_a_fetch_error(tmp_path):

@@ -52,6 +52,7 @@ def _daemon_serves(binary: Path, pipe: Path) -> bool:
         subprocess.run([str(binary)], input="quit\n", env=env, capture_output=True, text=True, timeout=20)
 
 
+@pytest.mark.every_mps_version
 @pytest.mark.mps_binary
 def test_the_limit_is_the_real_daemons(mps_control):
     base = Path(tempfile.mkdtemp(prefix="pl", dir="/tmp"))

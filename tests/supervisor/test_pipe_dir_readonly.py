@@ -108,6 +108,7 @@ def test_the_daemons_log_fifo_stays_writable_through_a_read_only_mount(podman, d
     assert daemon.control.get_default_active_thread_percentage() == 100.0
 
 
+@pytest.mark.every_mps_version
 @pytest.mark.parametrize("user", [None, "1000:1000"], ids=["root", "uid1000"])
 def test_the_real_front_end_in_a_container_reaches_the_daemon_through_the_read_only_pipe_dir(
     podman, daemon, mps_control, tmp_path, user
@@ -145,6 +146,7 @@ while not os.path.exists(release) and time.monotonic() < deadline:
 """
 
 
+@pytest.mark.every_mps_version
 def test_a_pods_read_lock_on_control_lock_does_not_keep_the_daemon_from_starting_again(
     podman, daemon, tmp_path
 ):
