@@ -79,7 +79,8 @@ def served_pipe_dir(config: cfg.Config, uuid: str) -> str:
     if dirs.client_socket_problem(Path(pipe_dir)):
         served = sorted(n for n in _listdir(config.mig.pipe_root) if _MIG_UUID.fullmatch(n))
         raise ConfigError(f"--mig-instance {uuid}: no MPS daemon of mpsd serves that instance ({pipe_dir}/control "
-                          f"is not a socket); served: {', '.join(served) or 'none'} (mig.pipeRoot {config.mig.pipe_root})")
+                          f"is not a socket); served: {', '.join(served) or 'none'} "
+                          f"(mig.pipeRoot {config.mig.pipe_root})")
     return pipe_dir
 
 

@@ -22,16 +22,16 @@ class MigMetrics:
         self.healthy = Gauge("mpsd_mig_device_healthy",
                              "1 while the instance's slices are offered healthy (daemon up, configured, no FAULT)",
                              LABELS, registry=r)
-        self.restarts = Gauge("mpsd_mig_daemon_restarts", "Restarts of the instance's daemon since it was first started",
-                              LABELS, registry=r)
+        self.restarts = Gauge("mpsd_mig_daemon_restarts",
+                              "Restarts of the instance's daemon since it was first started", LABELS, registry=r)
         self.faulted = Gauge("mpsd_mig_faulted_servers", "The instance's MPS servers in FAULT", LABELS, registry=r)
         self.impostors = Gauge("mpsd_mig_control_impostors",
                                "Control sockets of the instance found served by another process", LABELS, registry=r)
-        self.defaults_restored = Gauge("mpsd_mig_defaults_restored",
-                                       "Health checks that found the instance daemon's defaults changed and put them back",
-                                       LABELS, registry=r)
-        self.health_seconds = Gauge("mpsd_mig_health_check_seconds", "Duration of the instance daemon's last health check",
-                                    LABELS, registry=r)
+        self.defaults_restored = Gauge(
+            "mpsd_mig_defaults_restored",
+            "Health checks that found the instance daemon's defaults changed and put them back", LABELS, registry=r)
+        self.health_seconds = Gauge("mpsd_mig_health_check_seconds",
+                                    "Duration of the instance daemon's last health check", LABELS, registry=r)
 
     def update(self, fleet) -> None:
         """Every series from ``fleet.statuses()`` (mpsd.mig_fleet.MigFleet)."""

@@ -3,11 +3,14 @@ round, the node daemon kept to the whole GPUs, the faces given the instances (do
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import config as cfg
 from .health import HealthBoard
 from .mig_fleet import MigFleet, whole_gpus_only
+
+if TYPE_CHECKING:
+    from .sharing import Backend
 
 
 class MigNode:
@@ -42,7 +45,8 @@ class MigNode:
         """What the whole-GPU device plugin reports allocations to: its part of the shared group."""
         return metrics if metrics is None else self._shared.part("gpu")
 
-    def faces(self, config: cfg.Config, backend, gpus: Callable[[], list]):
+    def faces(self, config: cfg.Config, backend: Backend,
+              gpus: Callable[[], list]) -> tuple[Backend, Callable[[], list]]:
         """(the node's backend with MIG requests routed to the instances' daemons, the DRA driver's
         devices: the whole GPUs and the instances served)."""
         from .sharing.build import host_paths

@@ -26,12 +26,12 @@ import os
 import threading
 from typing import Iterable
 
-from .errors import MpsdError
+from .errors import MpsdError, PluginError
 from .mig import CannotDivide, MigDevice, by_profile
 from .plugin import DevicePlugin
 from .plugin.response import HostPaths
 from .plugin.usage import shim_usage
-from .sharing.mig import MigBackend
+from .sharing.mig import BURST, MigBackend
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,11 @@ class MigPlugins:
         )
 
     def run(self, stop: threading.Event, poll: float = POLL) -> None:
+        """Serve until ``stop``; PluginError at once when devicePlugin.memoryLimit asks for burst, which
+        an instance's daemon cannot lend (the whole-GPU plugin refuses it on MPS v2 alike)."""
+        limit = self.config.device_plugin.memory_limit
+        if limit:
+            raise PluginError(f"devicePlugin.memoryLimit {limit} cannot be enforced on MIG instances: {BURST}")
         try:
             while True:
                 self.sync()

@@ -208,7 +208,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     mig_plugins: PluginRun | None = None
     if metrics is not None:
         live = supervisor.loop_alive.is_set
-        server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra, mig_plugins))
+        server = serve(config.metrics_address, metrics, live=live,
+                       ready=lambda: _ready(board, plugin, dra, mig_plugins))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
     plugin = (_start_plugin(config, board, mig.plugin_metrics(metrics) if mig else metrics, gpus, stop_plugin,

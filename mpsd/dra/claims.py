@@ -40,6 +40,7 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from ..errors import DraError
+from ..mig import MigDevice
 from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan
 from . import migdevices
 from .devices import COMPUTE, MEMORY, parse_device_name, slice_compute, slice_memory
@@ -241,15 +242,17 @@ def _consumed(result: Mapping, gpu: GpuLike, where: str) -> tuple[int, float]:
 
 
 def _take(result: Mapping, gpus: Mapping[int, GpuLike], slices_per_gpu: int, where: str,
-          instances: Sequence[GpuLike] = ()) -> _Take:
-    if migdevices.parse_name(result.get("device")) is not None:  # a MIG instance (mpsd/dra/migdevices.py)
-        gpu, k = migdevices.find(instances, result.get("device"))  # type: ignore[arg-type]
-        if gpu is None:
+          instances: Sequence[MigDevice] = ()) -> _Take:
+    name = result.get("device")
+    gpu: GpuLike | None
+    if migdevices.parse_name(name) is not None:  # a MIG instance (mpsd/dra/migdevices.py)
+        instance, k = migdevices.find(instances, name)
+        if instance is None:
             raise DraError(f"{where}: that MIG instance is not served on this node (the MIG layout changed)")
-        slices_per_gpu = gpu.slices  # type: ignore[attr-defined]
+        gpu, slices_per_gpu = instance, instance.slices
     else:
         try:
-            index, k = parse_device_name(result.get("device"))
+            index, k = parse_device_name(name)
         except ValueError as exc:
             raise DraError(f"{where}: {exc}; or {migdevices.NAME_FORM}") from None
         gpu = gpus.get(index)
@@ -298,8 +301,8 @@ def plan_claim(
     ours = [r for r in results if _get(r, "driver") == driver] if isinstance(results, list) else []
     if not ours:
         raise DraError(f"claim {ref}: no device of driver {driver} allocated")
-    by_index = {g.index: g for g in gpus if not getattr(g, "mig", False)}
-    instances = [g for g in gpus if getattr(g, "mig", False)]
+    by_index = {g.index: g for g in gpus if not isinstance(g, MigDevice)}
+    instances = [g for g in gpus if isinstance(g, MigDevice)]
     takes, names = [], []
     for r in ours:
         where = f"claim {ref}: device {short(r.get('device'))} of request {short(r.get('request'))}"

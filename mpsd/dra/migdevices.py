@@ -42,7 +42,7 @@ def device_name(device: MigDevice, k: int | None = None) -> str:
     return base if k is None else f"{base}-slice-{k}"
 
 
-def parse_name(name: str) -> tuple[int, int, int, int | None] | None:
+def parse_name(name: object) -> tuple[int, int, int, int | None] | None:
     """``gpu-1-mig-9-0`` -> (1, 9, 0, None), ``gpu-1-mig-9-0-slice-2`` -> (1, 9, 0, 2); None when the
     name is not a MIG device's (a whole GPU's, or malformed)."""
     match = _NAME.fullmatch(name) if isinstance(name, str) else None
@@ -52,7 +52,7 @@ def parse_name(name: str) -> tuple[int, int, int, int | None] | None:
     return int(gpu), int(gi), int(ci), None if k is None else int(k)
 
 
-def find(devices: Sequence[MigDevice], name: str) -> tuple[MigDevice | None, int | None]:
+def find(devices: Sequence[MigDevice], name: object) -> tuple[MigDevice | None, int | None]:
     """The instance a device name stands for (None when it is not served) and the slice number."""
     parsed = parse_name(name)
     if parsed is None:
@@ -85,7 +85,8 @@ def _attributes(device: MigDevice, driver_version: str) -> Obj:
 
 
 def _capacity(value: str, default: str, low: str, high: str, step: str) -> Obj:
-    return {"value": value, "requestPolicy": {"default": default, "validRange": {"min": low, "max": high, "step": step}}}
+    valid_range = {"min": low, "max": high, "step": step}
+    return {"value": value, "requestPolicy": {"default": default, "validRange": valid_range}}
 
 
 def build(instances: Sequence[MigDevice], mode: str, driver_version: str = "") -> list[Obj]:
@@ -109,7 +110,8 @@ def build(instances: Sequence[MigDevice], mode: str, driver_version: str = "") -
                 "attributes": _attributes(device, driver_version),
                 "allowMultipleAllocations": True,
                 "capacity": {
-                    dv.MEMORY: _capacity(*(quantity(x * MIB, True) for x in (mib, memory_default, MIN_MEMORY_MIB, mib, 1))),
+                    dv.MEMORY: _capacity(*(quantity(x * MIB, True)
+                                           for x in (mib, memory_default, MIN_MEMORY_MIB, mib, 1))),
                     dv.COMPUTE: _capacity("100", str(max(1, 100 // n)), "1", "100", "1"),
                 },
             })

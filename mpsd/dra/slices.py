@@ -43,6 +43,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Protocol
 
+from ..mig import MigDevice
 from . import devices as dv
 from .quantity import parse_quantity  # exact, as the API server reads quantities
 
@@ -56,13 +57,29 @@ _BINARY = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10
 Obj = dict[str, Any]
 
 
-class GpuLike(Protocol):
-    index: int
-    uuid: str
-    name: str
-    memory_total: int
-    compute_capability: tuple[int, int]
-    mig_enabled: bool
+class WholeGpu(Protocol):
+    """A whole GPU as its devices are published (mpsd.inventory.GpuInfo). Read-only."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def uuid(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def memory_total(self) -> int: ...
+
+    @property
+    def compute_capability(self) -> tuple[int, int]: ...
+
+    @property
+    def mig_enabled(self) -> bool: ...
+
+
+GpuLike = WholeGpu | MigDevice  # what a pool publishes: whole GPUs, and MIG instances (mpsd/dra/migdevices.py)
 
 
 def semver(text: str) -> str | None:
@@ -88,7 +105,7 @@ def quantity(value: int | float | Decimal, binary: bool = False) -> str:
     return f"{int((number * 1000).to_integral_value())}m"
 
 
-def _attributes(gpu: GpuLike, driver_version: str) -> Obj:
+def _attributes(gpu: WholeGpu, driver_version: str) -> Obj:
     attrs: Obj = {
         dv.ATTR_INDEX: {"int": gpu.index},
         dv.ATTR_UUID: {"string": gpu.uuid[:64]},
@@ -108,7 +125,7 @@ def _capacity(value: str, default: str, low: str, high: str, step: str) -> Obj:
     return {"value": value, "requestPolicy": {"default": default, "validRange": valid_range}}
 
 
-def capacity_device(gpu: GpuLike, driver_version: str, slices_per_gpu: int) -> Obj:
+def capacity_device(gpu: WholeGpu, driver_version: str, slices_per_gpu: int) -> Obj:
     """The one shared device of a GPU in capacity mode; ValueError for a GPU below the minimum."""
     mib = gpu.memory_total // MIB
     if mib <= MIN_MEMORY_MIB:
@@ -126,7 +143,7 @@ def capacity_device(gpu: GpuLike, driver_version: str, slices_per_gpu: int) -> O
     }
 
 
-def slice_devices(gpu: GpuLike, driver_version: str, slices_per_gpu: int) -> list[Obj]:
+def slice_devices(gpu: WholeGpu, driver_version: str, slices_per_gpu: int) -> list[Obj]:
     """The N devices of a GPU in slices mode."""
     compute = quantity(dv.slice_compute(slices_per_gpu))
     out = []
@@ -152,8 +169,8 @@ def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, drive
     if not 1 <= slices_per_gpu <= 100:
         raise ValueError(f"bad slicesPerGpu {slices_per_gpu!r}: expected an integer 1..100")
     out: list[Obj] = []
-    instances = [g for g in gpus if getattr(g, "mig", False)]
-    for gpu in sorted((g for g in gpus if not getattr(g, "mig", False) and not g.mig_enabled), key=lambda g: g.index):
+    instances = [g for g in gpus if isinstance(g, MigDevice)]
+    for gpu in sorted((g for g in gpus if not isinstance(g, MigDevice) and not g.mig_enabled), key=lambda g: g.index):
         mine = [capacity_device(gpu, driver_version, slices_per_gpu)] if mode == "capacity" \
             else slice_devices(gpu, driver_version, slices_per_gpu)
         for device in mine:

@@ -30,9 +30,17 @@ MIB = 1 << 20
 
 
 class GpuLike(Protocol):
-    index: int
-    uuid: str
-    memory_total: int
+    """A device slices are cut from: a whole GPU (mpsd.inventory.GpuInfo) or a MIG instance
+    (mpsd.mig.MigDevice, frozen: its index is its parent's). Read-only: nothing here sets them."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def uuid(self) -> str: ...
+
+    @property
+    def memory_total(self) -> int: ...
 
 
 @dataclass(frozen=True, order=True)

@@ -19,6 +19,7 @@ import logging
 from typing import Callable, Iterable
 
 from ..errors import BackendError
+from ..mig import MigDevice
 from ..plugin.response import HostPaths
 from ..smpartition import Partitions, chunks_for
 from . import Backend, Grant, SliceRequest
@@ -27,6 +28,7 @@ from .v2 import V2Backend, check_no_burst
 log = logging.getLogger(__name__)
 
 NAME = "mps-v2-mig"
+BURST = "a MIG instance's slices are capped at their guarantee (the shim and the MPS server's per-client limit)"
 
 
 def is_mig(request: SliceRequest) -> bool:
@@ -37,7 +39,7 @@ class MigBackend:
     name = NAME
 
     def __init__(self, paths: HostPaths, pipe_dir: Callable[[str], str | None], *,
-                 device: Callable[[str], object | None] = lambda uuid: None,
+                 device: Callable[[str], MigDevice | None] = lambda uuid: None,
                  partitions: Partitions | None = None) -> None:
         self.paths = paths  # the node's: regionDir, shimHostDir, ipcMode, shmDir
         self.pipe_dir = pipe_dir  # MIG UUID -> its daemon's pipe dir; None when not served (MigFleet.pipe_dir)
@@ -47,8 +49,8 @@ class MigBackend:
     def _instance(self, request: SliceRequest) -> tuple[str, str]:
         uuids = [share.uuid for share in request.plan.gpus]
         if len(uuids) != 1 or not uuids[0].startswith("MIG-"):
-            raise BackendError(f"{request.key}: devices {','.join(uuids)} are on more than one MPS daemon: a slice of a "
-                               "MIG instance is on that instance only (each has its own daemon and pipe dir)")
+            raise BackendError(f"{request.key}: devices {','.join(uuids)} are on more than one MPS daemon: a slice "
+                               "of a MIG instance is on that instance only (each has its own daemon and pipe dir)")
         pipe_dir = self.pipe_dir(uuids[0])
         if pipe_dir is None:
             raise BackendError(f"{request.key}: MIG instance {uuids[0]} is not served on this node (the MIG layout "
@@ -63,7 +65,7 @@ class MigBackend:
                           ipc_mode=self.paths.ipc_mode, shm_dir=self.paths.shm_dir)
         grant = V2Backend(paths).edits(request)
         device = self.device(uuid)
-        if device is None or not getattr(device, "sm_partitions", False) or self.partitions is None:
+        if device is None or not device.sm_partitions or self.partitions is None:
             return grant
         # the daemon runs with -S: the slice's compute is a partition of the instance's chunks
         chunks = chunks_for(request.plan.active_thread_percentage, device.sm_count, device.compute_capability)
@@ -73,9 +75,11 @@ class MigBackend:
         return Grant(env, grant.mounts)
 
     def grant(self, request: SliceRequest) -> Grant:
-        check_no_burst(request, "a MIG instance's slices are capped at their guarantee (the shim and the MPS "
-                                "server's per-client limit)")
+        check_no_burst(request, BURST)
         return self.edits(request)
+
+    def burst_problem(self) -> str:
+        return BURST
 
     def release(self, key: str) -> None:
         if self.partitions is not None:
@@ -120,3 +124,7 @@ class Routed:
 
     def enforcement(self, request: SliceRequest) -> str:
         return self._for(request).enforcement(request)
+
+    def burst_problem(self) -> str:
+        """The whole GPUs' backend's: a request with burst on an instance is refused by MigBackend.grant."""
+        return self.node.burst_problem()

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from mpsd.errors import PluginError
 from mpsd.mig import MIB
 from mpsd.mig_fleet import MigFleet
 from mpsd.mig_plugin import MigPlugins, resource_name
@@ -48,7 +49,8 @@ class Node:
 
     def close(self):
         self.stop.set()
-        self.thread.join(15)
+        if self.thread.ident is not None:  # a test may call plugins.run itself
+            self.thread.join(15)
         self.fleet.stop()
         self.kubelet.stop()
 
@@ -152,6 +154,25 @@ def test_an_instance_the_config_cannot_divide_is_not_offered(node, caplog):
     assert len(lines) == 1, lines  # said once, not every round
     assert "its compute instance takes 6 MPS clients (48 x 1/7); expected mig.slicesPerInstance at most 6" in lines[0]
     assert n.fleet.get(small.uuid) is not None  # its daemon runs all the same
+
+
+def test_a_burst_memory_limit_is_refused_in_one_line_and_nothing_is_offered(node):
+    """devicePlugin.memoryLimit asks for burst, which an instance's daemon (MPS v2) cannot lend: the MIG
+    plugins refuse at start, as the whole-GPU plugin does on MPS v2, rather than serve without it."""
+    n = node(**{"memory-limit": "50%"})
+    n.fleet.reconcile([mig(1)])
+    bound = threading.Timer(10, n.stop.set)  # without the refusal run() serves until stopped
+    bound.start()
+    try:
+        with pytest.raises(PluginError) as exc:
+            n.plugins.run(n.stop, 0.05)
+    finally:
+        bound.cancel()
+    message = str(exc.value)
+    assert "\n" not in message
+    assert message.startswith("devicePlugin.memoryLimit 50% cannot be enforced on MIG instances: "), message
+    assert "capped at their guarantee" in message
+    assert n.plugins.plugins == {} and n.kubelet.requests == []
 
 
 def test_resource_names():

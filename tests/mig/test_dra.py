@@ -85,6 +85,24 @@ def test_two_instances_of_one_gpu_stay_two_devices_and_the_backend_refuses_the_c
         backend.grant(SliceRequest("claim-uid-1", planned.plan, str(tmp_path)))
 
 
+def test_burst_on_an_instance_is_refused_in_one_line_and_the_whole_gpus_keep_their_backends_answer(tmp_path):
+    """A ClaimConfig memoryLimit above an instance's guarantee is refused by its backend; the routed
+    backend says of burst what the whole GPUs' backend says (an instance's request is refused as above)."""
+    from mpsd.plugin.response import HostPaths
+    from mpsd.sharing.mig import Routed
+    from mpsd.sharing.v2 import BURST, V2Backend
+
+    planned = plan_claim(claim(results=[result("gpu-1-mig-9-0", memory="1Gi")]), REF, driver=DRIVER, node=NODE,
+                         pool=NODE, gpus=[A], slices_per_gpu=4)
+    paths = HostPaths(str(tmp_path), str(tmp_path), str(tmp_path))
+    backend = MigBackend(paths, lambda uuid: str(tmp_path / uuid))
+    with pytest.raises(BackendError) as exc:
+        backend.grant(SliceRequest("claim-uid-1", planned.plan, str(tmp_path), memory_hard={0: 2 * GIB}))
+    assert str(exc.value).endswith(f"cannot be enforced here: {backend.burst_problem()}") and "\n" not in str(exc.value)
+    assert "capped at their guarantee" in backend.burst_problem()
+    assert Routed(V2Backend(paths), backend).burst_problem() == BURST
+
+
 def test_a_claim_on_a_vanished_instance_is_refused_in_one_line():
     with pytest.raises(DraError) as exc:
         plan_claim(claim(results=[result("gpu-1-mig-5-0")]), REF, driver=DRIVER, node=NODE, pool=NODE,

@@ -20,7 +20,6 @@ from mpsd.health import HealthBoard
 from mpsd.mig_fleet import MigFleet, instance_config, whole_gpus_only
 from mpsd.mig_metrics import MigMetrics
 from tests.mig.conftest import mig
-from tests.procs import control_daemon
 
 pytestmark = pytest.mark.mps_binary
 
