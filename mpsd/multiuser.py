@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -39,6 +38,7 @@ from typing import Callable
 
 from . import peer
 from .daemon import spawn
+from .trees import remove_tree
 from .errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def probe(binary: str, timeout: float) -> Probe:
         finally:
             _kill(proc)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_tree(scratch)  # the daemon's files in it: never followed out (mpsd.trees)
     return classify(output, exited, waited)
 
 

@@ -35,6 +35,7 @@ from ..plugin.slicing import GpuLike, GpuShare, Plan
 from ..plugin.state import StateStore
 from ..sharing import Backend, SliceRequest
 from ..sharing.v2 import V2Backend
+from ..mig import MigDevice
 from ..trees import remove_tree
 from . import cdi, migdevices
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
@@ -423,9 +424,10 @@ class Preparer:
         lists) gets no /dev/nvidia<N> node from mpsd: a node named by a guess could be another
         GPU's. A MIG instance is reached through its parent GPU's node."""
         minors = {g.uuid: getattr(g, "minor_number", None) for g in self.gpus}
-        parents = {g.uuid: getattr(g, "parent_uuid", None) for g in self.gpus if getattr(g, "mig", False)}
-        uuids = [parents.get(s.uuid) or s.uuid for s in shares]
-        return sorted({m for m in (minors.get(u) for u in uuids) if m is not None})
+        for g in self.gpus:  # an instance: its parent's node (the parent is not always listed)
+            if isinstance(g, MigDevice):
+                minors[g.uuid] = minors.get(g.parent_uuid, g.parent_minor)
+        return sorted({m for m in (minors.get(s.uuid) for s in shares) if m is not None})
 
     def _write_spec(self, rec: PreparedClaim) -> None:
         self.cdi.write(rec.spec_name, self._spec(rec))

@@ -120,6 +120,8 @@ def test_too_few_free_chunks_is_refused_in_one_line(static_node):
     n = static_node(**{"slices-per-gpu": "2"})
     n.fleet.reconcile([BIG])
     n.thread.start()
+    # the kubelet allocates only devices the plugin lists healthy, i.e. once the instance's daemon runs
+    wait_until(lambda: BIG.uuid in n.fleet.board.current().mig_healthy, what="healthy")
     wait_until(lambda: "3g.40gb" in n.plugins.plugins, what="plugin")
     stub = n.stub("3g.40gb")
     allocate(stub, f"{BIG.uuid}::0", f"{BIG.uuid}::1")  # 100 %: all 7 chunks
