@@ -84,6 +84,7 @@ class DaemonProcess:
         self.started = time.monotonic()
         self.returncode: int | None = None
         self.retired_because = ""  # why the supervisor killed it, if it did
+        self.on_line: Callable[[str], None] | None = None  # sees each line it prints (contest.WriterWatch)
         self._log_path = os.path.join(config.log_dir, "control.log")
         threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True).start()
         threading.Thread(target=self._wait, args=(on_exit,), name=f"mps-wait-{self.pid}", daemon=True).start()
@@ -100,6 +101,11 @@ class DaemonProcess:
                 text = line.decode(errors="replace").rstrip()
                 level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
                 log.log(level, "daemon pid=%d says %s", self.pid, text)
+                if self.on_line is not None:
+                    try:
+                        self.on_line(text)
+                    except Exception:  # the output must go on being read
+                        log.exception("daemon output watcher failed")
         out.close()
 
     def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:

@@ -137,6 +137,11 @@ class Metrics:
             "Seconds since the last conclusive health check (grows while a held control session blinds it)",
             registry=r,
         )
+        self.defaults_contested = Gauge(
+            "mpsd_defaults_contested_seconds",
+            "Seconds the daemon's defaults have been found changed (and put back) at every health check in a row",
+            registry=r,
+        )
         self._control_seen = (0, 0)  # (impostors, defaults restored) of the previous snapshot
         self.allocation_used = Gauge(
             "mpsd_allocation_memory_used_bytes",
@@ -264,7 +269,9 @@ class Metrics:
         self.set_mps_servers({"all": servers} if isinstance(servers, int) else servers)
         self.set_config_generation(config_generation)
 
-    def set_control_plane(self, impostors: int, defaults_restored: int, verdict_age: float) -> None:
+    def set_control_plane(
+        self, impostors: int, defaults_restored: int, verdict_age: float, defaults_contested: float = 0.0
+    ) -> None:
         """Running totals from the supervisor: the counters advance by the difference."""
         with self._lock:
             seen_impostors, seen_restored = self._control_seen
@@ -274,6 +281,7 @@ class Metrics:
         if defaults_restored > seen_restored:
             self.defaults_restored.inc(defaults_restored - seen_restored)
         self.verdict_age.set(verdict_age)
+        self.defaults_contested.set(defaults_contested)
 
     def set_fault_terminations(self, totals: Mapping[str, int]) -> None:
         """Running totals per method (terminate_client, sigkill): each counter advances by the

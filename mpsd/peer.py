@@ -50,6 +50,12 @@ def maps_cuda_driver(maps: str) -> bool:
     return any(re.search(r"/libcuda\.so(\.[0-9.]*)?$", line) for line in maps.splitlines())
 
 
+def parse_stat_ppid(stat: str) -> int | None:
+    """The parent PID field of a /proc/PID/stat line (the comm may hold spaces and parentheses)."""
+    fields = stat[stat.rfind(")") + 1 :].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(r"(?:^|/|-)([0-9a-f]{64})(?:\.scope)?(?=/|$)")
 
@@ -96,6 +102,15 @@ def describe(pid: int, proc: str = "/proc") -> str:
     except OSError:
         owner = ""
     return " ".join(filter(None, [f"pid {pid} ({comm!r})", owner]))
+
+
+def parent_pid(pid: int, proc: str = "/proc") -> int | None:
+    """The parent of ``pid`` (None when it cannot be read: gone, or not in mpsd's PID namespace)."""
+    try:
+        stat = _read(f"{proc}/{pid}/stat", 4096).decode(errors="replace")
+    except OSError:
+        return None
+    return parse_stat_ppid(stat)
 
 
 def describe_all(pids: list[int], proc: str = "/proc") -> str:

@@ -23,3 +23,4 @@ class Status:
     impostors: int = 0  # control sockets found served by another process than the daemon
     defaults_restored: int = 0  # health checks that found the daemon's defaults changed and put them back
     verdict_age: float = 0.0  # seconds since the last conclusive health check, as of the last one
+    defaults_contested: float = 0.0  # seconds the defaults have been found changed at every health check in a row

@@ -26,11 +26,12 @@ from typing import Callable
 from . import dirs, drift, peer
 from .computemode import ComputeMode
 from .config import Config
-from .control import ConfigureError, Control, apply_defaults, limit_early_servers
+from .control import Control
 from .daemon import DaemonProcess
 from .errors import ConfigError, ControlBusy, ControlError, ControlImpostor, ControlTimeout, SetupError
 from .faults import FaultHandler
 from .health import HealthBoard
+from .keeper import Keeper
 from .reload import DEFAULT_KEYS, _early_reloads, hold_reloads, merge_live  # noqa: F401 (hold_reloads: mpsd.cli)
 from .snapshot import Status
 from .units import format_limits
@@ -69,9 +70,8 @@ class Supervisor:
         self._status = Status()
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
-        self._applied = config  # the config whose defaults the running daemon has
+        self._defaults = Keeper(config)  # the daemon's defaults, set, read back and put back
         self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
-        self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
         self._faults = FaultHandler(c.health_timeout, is_client=partial(peer.mps_client_problem, pipe_dir=c.pipe_dir))
         self._verdict_at = time.monotonic()  # the last conclusive health check (or start)
         self._compute = ComputeMode(
@@ -167,21 +167,22 @@ class Supervisor:
                 raise
             self._failed(f"cannot start the daemon: {exc}")
             return
+        self._daemon.on_line = self._defaults.new_daemon(self._daemon.pid, self.config.pipe_dir).line
         self._faults.reset()
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
-            apply_defaults(self.control(), self.config)
-            limit_early_servers(self.control(), self.config)
-        except (ControlError, ConfigureError) as exc:
+            pending = self._defaults.start(self.control(), self.config, self._devices())
+        except ControlError as exc:
             daemon, self._daemon = self._daemon, None
             daemon.kill()
             daemon.wait(5.0)
             self._failed(f"daemon pid={daemon.pid} did not come up configured: {exc}")
             return
-        self._applied, self._defaults_stale, self._verdict_at = self.config, False, time.monotonic()
-        self.board.update(daemon_up=True, configured=True, last_error="", unverified="")
-        self._publish(state="running", pid=self._daemon.pid, last_error="")
+        self._verdict_at = time.monotonic()
+        configured = not self._defaults.stale  # else set at the next health check
+        self.board.update(daemon_up=True, configured=configured, last_error=pending, unverified="")
+        self._publish(state="running", pid=self._daemon.pid, last_error=pending, defaults_contested=0.0)
         self._next_at = time.monotonic() + self.config.health_interval
         log.info(
             "daemon configured pid=%d active_thread_percentage=%g pinned_mem_limit=%s client_priority=%s",
@@ -245,10 +246,10 @@ class Supervisor:
         if unreachable:  # a restart makes the daemon create it again
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {unreachable}")
             return
-        devices = set(range(len(self._gpu_indices())))  # the daemon's ordinals (CUDA_VISIBLE_DEVICES renumbers)
+        devices = self._devices()
         try:
             self._refuse_impostor(daemon)
-            defaults = drift.read(control, self._applied, devices)
+            defaults = drift.read(control, self._defaults.applied, devices)
             servers = control.get_server_list()
             states = self._faults.server_states(control, servers)
             self._refuse_impostor(daemon, ("control_privileged",))  # what mpsd read came from its daemon
@@ -272,9 +273,10 @@ class Supervisor:
             return
         self._silent_checks, self._verdict_at = (daemon.pid, 0), time.monotonic()
         latency = time.monotonic() - began
-        pending = self._apply_reloaded_defaults() if self._defaults_stale else self._restore_defaults(defaults, devices)
-        if pending is None:
-            return  # retired
+        if self._defaults.stale:
+            pending = self._apply_reloaded_defaults()
+        else:
+            pending = self._defaults.restore(self.control(), defaults, devices, self.config.verdict_timeout)
         faulted = [pid for pid, state in states.items() if state == "FAULT"]
         gpus = frozenset(self._gpu_indices()) if faulted else frozenset()
         error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit"
@@ -284,9 +286,13 @@ class Supervisor:
         if action:
             error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
-        self.board.update(faulted_gpus=gpus, last_error=error, unverified="")
+        now, contest = time.monotonic(), self._defaults.contest
+        unverified = contest.reason(now, self.config.verdict_timeout)  # defaults changed again and again
+        self.board.update(faulted_gpus=gpus, last_error=error, unverified=unverified)
         self._publish(
             verdict_age=0.0,
+            defaults_restored=self._defaults.restored,
+            defaults_contested=contest.age(now),
             fault_terminations=dict(self._faults.counts),
             state="running",
             failures_in_row=0,
@@ -315,22 +321,6 @@ class Supervisor:
         if age >= self.config.verdict_timeout:
             self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
         self._next_at = time.monotonic() + self.config.health_interval
-
-    def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str | None:
-        """Put back defaults changed through ``control``: "" when done (or none), None if retired."""
-        changed = drift.differences(drift.expected(self._applied, devices), got)
-        if not changed:
-            return ""
-        try:
-            drift.restore(self.control(), self._applied, devices)
-        except ControlBusy as exc:
-            return f"daemon defaults changed ({'; '.join(changed)}), not restored yet: {exc}"
-        except (ControlError, ConfigureError) as exc:
-            self._retire(self._daemon, f"restoring changed defaults failed: {exc}")  # type: ignore[arg-type]
-            return None
-        log.error("daemon defaults changed behind mpsd (%s): restored to the config's", "; ".join(changed))
-        self._publish(defaults_restored=self.status().defaults_restored + 1)
-        return ""
 
     def _retire(self, daemon: DaemonProcess, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
@@ -362,27 +352,22 @@ class Supervisor:
         self._publish(config_generation=self.status().config_generation + 1)
         log.info("reloaded applied=%s deferred=%s", ",".join(sorted(live)) or "-", ",".join(later) or "-")
         if live & DEFAULT_KEYS and self._daemon is not None:
-            self._defaults_stale = True
             self._apply_reloaded_defaults()
 
-    def _apply_reloaded_defaults(self) -> str | None:
+    def _apply_reloaded_defaults(self) -> str:
         """Bring the running daemon's defaults to self.config: "" when done, the reason when
-        the daemon was busy (tried again at the next health check), None if it was retired."""
-        assert self._daemon is not None
-        try:
-            apply_defaults(self.control(), self.config, previous=self._applied)
-        except ControlBusy as exc:
-            message = f"new defaults not applied yet, trying again at the next health check: {exc}"
-            log.error("%s", message)
+        the daemon did not take them (tried again at the next health check)."""
+        message = self._defaults.reload(self.control(), self.config, self._devices())
+        if self._defaults.stale:
             self.board.update(last_error=message)
             self._publish(last_error=message)
-            return message
-        except (ControlError, ConfigureError) as exc:
-            self._retire(self._daemon, f"re-applying defaults after reload failed: {exc}")
-            return None
-        self._applied, self._defaults_stale = self.config, False
-        log.info("new defaults applied: they reach servers started from now on")
-        return ""
+        else:
+            self.board.update(configured=True)
+        return message
+
+    def _devices(self) -> set[int]:
+        """The daemon's device ordinals (CUDA_VISIBLE_DEVICES renumbers them 0..n-1)."""
+        return set(range(len(self._gpu_indices())))
 
     def _shutdown(self) -> None:
         self._publish(state="stopping")

@@ -62,14 +62,20 @@ def _is_debian_main(uri: str) -> bool:
     return "debian" in uri and "security" not in uri and "debian-ports" not in uri
 
 
-def ensure_mps_control(cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Path of the unpacked ``nvidia-cuda-mps-control``; fetched once into ``cache_dir``."""
-    cache_dir = Path(cache_dir).resolve()
+# Debian suites carrying other versions of the package (docs/security.md: per-version exposure)
+SUITES = {"535.216": "bookworm-backports", "535.261": "bookworm", "550.163": "trixie", "555.58": "experimental"}
+
+
+def ensure_mps_control(cache_dir: Path = DEFAULT_CACHE, suite: str | None = None) -> Path:
+    """Path of the unpacked ``nvidia-cuda-mps-control``; fetched once into ``cache_dir``
+    (``suite``: that Debian suite's package, in ``cache_dir/suite``; else the machine's)."""
+    cache_dir = Path(cache_dir).resolve() / (suite or "")
     root = cache_dir / "root"
     binary = root / BINARY
     if binary.is_file():
         return binary
-    uri, suite = debian_source()
+    uri, machine_suite = debian_source()
+    suite = suite or machine_suite
     for sub in ("lists/partial", "apt/archives/partial", "debs"):
         (cache_dir / sub).mkdir(parents=True, exist_ok=True)
     sources = cache_dir / "sources.list"
@@ -108,4 +114,4 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> None:
 
 
 if __name__ == "__main__":
-    print(ensure_mps_control(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_CACHE))
+    print(ensure_mps_control(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_CACHE, *sys.argv[2:3]))
