@@ -11,7 +11,9 @@ in the daemon's place. mpsd therefore asks the kernel, not the answers:
   daemon's accepted sockets, duplicated with ``pidfd_getfd`` (mpsd's own child), each read
   with ``SO_PEERCRED``, wherever (whichever namespace) the peer is.
 - :func:`mps_client_problem` is the proof asked before mpsd signals a process the daemon
-  listed as a client: its environment names this pipe dir and it maps a CUDA driver.
+  listed as a client: the kernel names it as the peer of a unix socket that the daemon or the
+  client's server holds (``SO_PEERCRED``, set at ``connect()``), and it maps a CUDA driver.
+  Its environment is not asked: a process can rewrite its own ``/proc/PID/environ``.
 
 Parsing is done by pure functions (tables in tests/supervisor/test_peer.py).
 """
@@ -26,23 +28,13 @@ import socket
 import struct
 
 CONTROL_SOCKETS = ("control_privileged", "control")  # root's front-end, everyone else's
-DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"  # where a client looks without CUDA_MPS_PIPE_DIRECTORY
 PROBE_TIMEOUT = 1.0  # seconds for one connect()
-READ_LIMIT = 1 << 20  # bytes read of one /proc file (environ, cgroup, comm)
+READ_LIMIT = 1 << 20  # bytes read of one /proc file (cgroup, comm, stat)
 MAPS_LIMIT = 16 << 20  # bytes of /proc/PID/maps scanned for a CUDA driver
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 
 
 # ---------------------------------------------------------------- pure parsing
-
-
-def environ_get(data: bytes, name: str) -> str | None:
-    """The value of ``name`` in a NUL-separated environment block (/proc/PID/environ)."""
-    key = name.encode() + b"="
-    for entry in data.split(b"\0"):
-        if entry.startswith(key):
-            return entry[len(key) :].decode(errors="replace")
-    return None
 
 
 def maps_cuda_driver(maps: str) -> bool:
@@ -151,14 +143,20 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     descriptors: each socket it accepted on one of them (a copy taken with pidfd_getfd) names
     its peer with SO_PEERCRED. [] when none, or when they cannot be read. (/proc/PID/net/unix
     would not do: an accepted socket belongs to the network namespace of the one who connected.)"""
-    paths = {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}
+    return sorted(socket_peers(daemon_pid, {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}, proc))
+
+
+def socket_peers(holder: int, paths: set[str] | None = None, proc: str = "/proc") -> set[int]:
+    """PIDs at the other end of the unix sockets ``holder`` has accepted or connected (each one
+    copied with pidfd_getfd and read with SO_PEERCRED); with ``paths``, only the sockets it
+    accepted on one of them. Empty when they cannot be read."""
     try:
-        fds = _socket_fds(f"{proc}/{daemon_pid}/fd")
-        pidfd = os.pidfd_open(daemon_pid)
+        fds = _socket_fds(f"{proc}/{holder}/fd")
+        pidfd = os.pidfd_open(holder)
     except OSError:
-        return []
+        return set()
     try:
-        return sorted({pid for fd in fds if (pid := _session_peer(pidfd, fd, paths)) is not None})
+        return {pid for fd in fds if (pid := _session_peer(pidfd, fd, paths)) is not None}
     finally:
         os.close(pidfd)
 
@@ -174,9 +172,10 @@ def _socket_fds(fd_dir: str) -> list[int]:
     return fds
 
 
-def _session_peer(pidfd: int, fd: int, paths: set[str]) -> int | None:
-    """The PID at the other end of the daemon's ``fd`` if it is a session accepted on one of
-    ``paths``; None for anything else (a listener, another socket, one closed meanwhile)."""
+def _session_peer(pidfd: int, fd: int, paths: set[str] | None) -> int | None:
+    """The PID at the other end of the holder's ``fd`` if it is a connected unix socket (with
+    ``paths``: accepted on one of them); None for anything else (a listener, another kind of
+    socket, one closed meanwhile)."""
     dup = ctypes.CDLL(None, use_errno=True).syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
     if dup < 0:
         return None  # closed meanwhile, or no pidfd_getfd (Linux < 5.6)
@@ -184,7 +183,7 @@ def _session_peer(pidfd: int, fd: int, paths: set[str]) -> int | None:
     try:
         if sock.family != socket.AF_UNIX or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             return None
-        if sock.getsockname() not in paths:  # an accepted socket has its listener's address
+        if paths is not None and sock.getsockname() not in paths:  # an accepted socket has its listener's address
             return None
         pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError:
@@ -194,17 +193,20 @@ def _session_peer(pidfd: int, fd: int, paths: set[str]) -> int | None:
     return pid
 
 
-def mps_client_problem(pid: int, pipe_dir: str, proc: str = "/proc") -> str:
-    """"" if ``pid`` can be shown to be an MPS client of ``pipe_dir``: its environment names
-    that pipe dir (or none, for the default one) and it maps a CUDA driver. Else why not."""
+def mps_client_problem(pid: int, daemon_pid: int, servers: list[int], proc: str = "/proc") -> str:
+    """"" if ``pid`` can be shown to be an MPS client of the daemon ``daemon_pid``: the kernel
+    names it (SO_PEERCRED, which the process cannot rewrite) as the peer of a unix socket the
+    daemon or one of ``servers`` (its MPS servers, as the daemon lists them) holds, and it maps
+    a CUDA driver. Else why not. Its environment is not asked: /proc/PID/environ is the
+    process's own memory, which it can rewrite."""
     try:
-        env = _read(f"{proc}/{pid}/environ")
         maps = _read(f"{proc}/{pid}/maps", MAPS_LIMIT).decode(errors="replace")
     except OSError as exc:
         return f"cannot read its /proc entries ({os.strerror(exc.errno or errno.EIO)})"
-    named = environ_get(env, "CUDA_MPS_PIPE_DIRECTORY")
-    if os.path.normpath(named or DEFAULT_PIPE_DIR) != os.path.normpath(pipe_dir):
-        return f"its CUDA_MPS_PIPE_DIRECTORY is {named!r}, not {pipe_dir!r}"
+    holders = [daemon_pid, *servers]
+    if not any(pid in socket_peers(holder, proc=proc) for holder in holders):
+        names = ", ".join(map(str, servers)) or "none"
+        return f"no socket of the MPS control daemon (pid {daemon_pid}) or of its server(s) ({names}) is connected to it"
     if not maps_cuda_driver(maps):
         return "it maps no CUDA driver (libcuda.so)"
     return ""

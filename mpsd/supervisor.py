@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -72,7 +71,7 @@ class Supervisor:
         self._next_at: float | None = None  # next health check or restart
         self._defaults = Keeper(config)  # the daemon's defaults, set, read back and put back
         self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
-        self._faults = FaultHandler(c.health_timeout, is_client=partial(peer.mps_client_problem, pipe_dir=c.pipe_dir))
+        self._faults = FaultHandler(c.health_timeout, is_client=self._mps_client_problem)
         self._verdict_at = time.monotonic()  # the last conclusive health check (or start)
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
@@ -321,6 +320,11 @@ class Supervisor:
         if age >= self.config.verdict_timeout:
             self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
         self._next_at = time.monotonic() + self.config.health_interval
+
+    def _mps_client_problem(self, pid: int, server: int) -> str:
+        """"" if ``pid`` is shown to be a client of ``server`` of the running daemon (mpsd.peer)."""
+        daemon = self._daemon
+        return "no daemon running" if daemon is None else peer.mps_client_problem(pid, daemon.pid, [server])
 
     def _retire(self, daemon: DaemonProcess, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
