@@ -104,7 +104,8 @@ def strip_sentinel(output: str) -> str:
 
 def split_answers(output: str, count: int) -> list[str]:
     """The answers of a batch of ``count`` commands, each ended by MARK's answer line."""
-    parts, current = [], []
+    parts: list[str] = []
+    current: list[str] = []
     for line in output.splitlines():
         if line.strip() == MARK_ANSWER:
             parts.append("".join(current))
@@ -238,7 +239,7 @@ class Control:
         script = "".join(f"{command}\n{MARK}\n" for command in commands)
         label = f"{commands[0]} (+{len(commands) - 1} in one session)" if len(commands) > 1 else commands[0]
         answers = split_answers(self._exchange(label, script, True, timeout), len(commands))
-        for command, answer in zip(commands, answers):
+        for command, answer in zip(commands, answers, strict=True):
             check_rejection(command, answer)
         return answers
 

@@ -73,7 +73,7 @@ def parse_read(answers: list[str], ordinals: list[int]) -> Defaults:
     """The answers to read_commands(ordinals), in order."""
     return Defaults(
         parse_percentage(answers[0]),
-        {d: parse_mem_limit(answer) for d, answer in zip(ordinals, answers[1:-1])},
+        {d: parse_mem_limit(answer) for d, answer in zip(ordinals, answers[1:-1], strict=True)},
         parse_priority(answers[-1]),
     )
 
