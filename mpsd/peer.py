@@ -143,7 +143,9 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     descriptors: each socket it accepted on one of them (a copy taken with pidfd_getfd) names
     its peer with SO_PEERCRED. [] when none, or when they cannot be read. (/proc/PID/net/unix
     would not do: an accepted socket belongs to the network namespace of the one who connected.)"""
-    return sorted(socket_peers(daemon_pid, {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}, proc))
+    # mpsd's own impostor probes connect too, and the daemon may not have closed one yet: never a holder
+    peers = socket_peers(daemon_pid, {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}, proc)
+    return sorted(peers - {os.getpid()})
 
 
 def socket_peers(holder: int, paths: set[str] | None = None, proc: str = "/proc") -> set[int]:

@@ -90,6 +90,33 @@ def test_describe_names_the_command_and_survives_a_gone_process():
     assert peer.describe(2**22 + 12345) == f"pid {2**22 + 12345}"
 
 
+def test_mpsds_own_probe_not_yet_closed_by_the_daemon_is_no_session_holder(tmp_path):
+    # The impostor check connects to the control sockets; a health check right after it could
+    # find the daemon still holding that accepted socket and call mpsd itself the holder (seen
+    # as a flaky test_two_unanswered_health_checks_in_a_row_kill_the_daemon under load).
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(str(tmp_path / "control"))
+        listener.listen(4)
+        code = (
+            "import socket, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect(sys.argv[1]); time.sleep(60)"
+        )
+        other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "control")])
+        own = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        held: list[socket.socket] = []
+        try:
+            own.connect(str(tmp_path / "control"))
+            held += [listener.accept()[0], listener.accept()[0]]
+            assert peer.socket_peers(os.getpid(), {str(tmp_path / "control")}) == {os.getpid(), other.pid}
+            assert peer.session_holders(os.getpid(), str(tmp_path)) == [other.pid]
+        finally:
+            own.close()
+            for conn in held:
+                conn.close()
+            other.kill()
+            other.wait()
+
+
 def test_an_mps_client_is_shown_by_the_kernel_not_by_its_environment(tmp_path):
     # A "daemon" and a "server" that hold accepted sockets, a process connected to the server:
     # SO_PEERCRED names it; one connected nowhere is refused whatever its environment says.
