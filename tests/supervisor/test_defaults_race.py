@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from mpsd import dirs, drift
 from mpsd.control import Control
 from mpsd.metrics import Metrics
 from mpsd.node import InventoryPump, _observer, _ready
+from tests.container import HOST_LIBS, Mount
 from tests.mpsbin import DEFAULT_CACHE, SUITES, FetchError, ensure_mps_control
 from tests.supervisor.test_client_view import NOBODY, as_nobody
 from tests.supervisor.test_control_plane import TAMPER, metric
@@ -120,3 +122,30 @@ def test_which_versions_take_set_default_from_any_uid(versioned_daemon):
     else:
         assert "Control deamon settings can only be modified by the user started it or by the root user" in out.stdout
         assert changed == []
+
+
+def test_a_writer_in_a_container_is_named_with_the_container(make_config, run_supervisor, podman, mps_control):
+    # A pod's writer (a podman container: its own PID and network namespaces, the pipe dir
+    # mounted read-only as pods get it, a UID of its own) looping the real front-end: the
+    # report names its PID as mpsd sees it and the container from its cgroup.
+    config = make_config(**{"active-thread-percentage": "60"})
+    r = run_supervisor(config)
+    r.wait_for(lambda s: s.configured, what="configured")
+    exe = "/usr/local/bin/nvidia-cuda-mps-control"
+    loop = f'end=$(($(date +%s) + 20)); while [ $(date +%s) -lt $end ]; do echo "{WRITE}" | {exe} >/dev/null; done'
+    mounts = [Mount(config.pipe_dir, config.pipe_dir), *HOST_LIBS, Mount(mps_control, exe)]
+    run = threading.Thread(
+        target=podman.run,
+        args=(["sh", "-c", loop],),
+        kwargs={"mounts": mounts, "env": {"CUDA_MPS_PIPE_DIRECTORY": config.pipe_dir}, "user": "1000", "timeout": 120},
+        daemon=True,
+    )
+    run.start()
+    try:
+        wait_until(lambda: "container " in r.sup.status().last_error, timeout=90, what="the writer named")
+        ids = podman.podman("ps", "--quiet", "--no-trunc").stdout.split()
+        error = r.sup.status().last_error
+        assert ids and f"container {ids[0][:12]}" in error and "activeThreadPercentage 1 (config 60)" in error, error
+        assert r.sup.status().restarts == 0
+    finally:
+        run.join(120)
