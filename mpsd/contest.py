@@ -65,7 +65,8 @@ class WriterWatch:
     def holders(self) -> str:
         """The processes holding the daemon's control session now, but mpsd's own front-ends."""
         pids = peer.session_holders(self.daemon_pid, self.pipe_dir, self.proc)
-        return ", ".join(peer.describe(pid, self.proc) for pid in pids if peer.parent_pid(pid, self.proc) != self.own_pid)
+        theirs = [pid for pid in pids if peer.parent_pid(pid, self.proc) != self.own_pid]
+        return ", ".join(peer.describe(pid, self.proc) for pid in theirs)
 
     def take(self) -> str:
         """The last writer named since the previous take() ("" when none)."""

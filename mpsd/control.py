@@ -113,7 +113,9 @@ def split_answers(output: str, count: int) -> list[str]:
         else:
             current.append(line + "\n")
     if len(parts) != count or any(line.strip() for line in current):
-        raise UnexpectedOutput(f"unexpected batch answer {output!r}: expected {count} answer(s) each ended by {MARK_ANSWER!r}")
+        raise UnexpectedOutput(
+            f"unexpected batch answer {output!r}: expected {count} answer(s) each ended by {MARK_ANSWER!r}"
+        )
     return parts
 
 

@@ -208,7 +208,7 @@ def mps_client_problem(pid: int, daemon_pid: int, servers: list[int], proc: str 
     holders = [daemon_pid, *servers]
     if not any(pid in socket_peers(holder, proc=proc) for holder in holders):
         names = ", ".join(map(str, servers)) or "none"
-        return f"no socket of the MPS control daemon (pid {daemon_pid}) or of its server(s) ({names}) is connected to it"
+        return f"no socket of the MPS control daemon (pid {daemon_pid}) or its server(s) ({names}) connects to it"
     if not maps_cuda_driver(maps):
         return "it maps no CUDA driver (libcuda.so)"
     return ""

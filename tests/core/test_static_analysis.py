@@ -22,7 +22,9 @@ DEFINES = ["-D_GNU_SOURCE", "-D__linux__", "-D__x86_64__", "-D__GNUC__"]
 LIBRARY_CHECKS = ["--enable=all", "--suppress=unusedFunction", "--suppress=missingIncludeSystem"]
 # The tests' C: real defects only (their raise(SIGBUS) calls return, which cppcheck doubts).
 TEST_CHECKS = ["--enable=warning,performance,portability"]
-PLANTED = "#include <string.h>\nint ms_planted(int i);\nint ms_planted(int i) { char b[4]; memset(b, 0, 8); return b[i]; }\n"
+PLANTED = (
+    "#include <string.h>\nint ms_planted(int i);\nint ms_planted(int i) { char b[4]; memset(b, 0, 8); return b[i]; }\n"
+)
 
 
 def cppcheck(checks: list[str], *paths: Path) -> subprocess.CompletedProcess[str]:

@@ -239,8 +239,8 @@ def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     exe = tmp_path_factory.mktemp("tsan") / "track_test_tsan"
     csrc = HERE.parent.parent / "csrc"
     subprocess.run(
-        ["cc", "-std=gnu11", "-D_GNU_SOURCE", "-g", "-O1", "-fsanitize=thread", "-pthread", "-Wall", "-Wextra", "-Werror"]
-        + [f"-I{csrc}"]
+        ["cc", "-std=gnu11", "-D_GNU_SOURCE", "-g", "-O1", "-fsanitize=thread", "-pthread", f"-I{csrc}"]
+        + ["-Wall", "-Wextra", "-Werror"]
         + [str(HERE / "track_test.c"), str(csrc / "track.c"), str(csrc / "track_refs.c"), "-o", str(exe)],
         check=True,
     )

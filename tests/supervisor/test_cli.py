@@ -208,7 +208,8 @@ def test_exec_without_shim_and_exit_code(tmp_path):
 
 def test_exec_tells_frameworks_to_allocate_on_demand_unless_the_user_said_otherwise(tmp_path):
     # the processes of an exec (and other execs of its --region) share one cap (issue 21, defect 8)
-    clean = {k: v for k, v in os.environ.items() if k not in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TF_FORCE_GPU_ALLOW_GROWTH")}
+    ours = ("XLA_PYTHON_CLIENT_PREALLOCATE", "TF_FORCE_GPU_ALLOW_GROWTH")
+    clean = {k: v for k, v in os.environ.items() if k not in ours}
     result = subprocess.run([sys.executable, "-m", "mpsd", "exec", f"--state-dir={tmp_path}", "--", "env"],
                             capture_output=True, text=True, env=clean, cwd=REPO, timeout=120)
     env = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)

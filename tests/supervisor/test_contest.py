@@ -64,13 +64,19 @@ def test_set_commands_cover_every_watched_device_and_what_a_reload_dropped():
 @pytest.mark.parametrize(
     "line,command",
     [
-        ("[2026-11-26 17:24:22.023 Control 14013] Cmd:set_default_active_thread_percentage 1", "set_default_active_thread_percentage 1"),
+        (
+            "[2026-11-26 17:24:22.023 Control 14013] Cmd:set_default_active_thread_percentage 1",
+            "set_default_active_thread_percentage 1",
+        ),
         ("[…] Cmd:set_default_device_pinned_mem_limit 0 1M", "set_default_device_pinned_mem_limit 0 1M"),
         ("[…] Cmd:set_default_client_priority 1", "set_default_client_priority 1"),
         ("[…] Cmd:get_default_active_thread_percentage", ""),
         ("[…] Cmd:set_active_thread_percentage 4242 30", ""),  # one server's, not a default
         ("[…] 60.0", ""),
-        ("[…] Cmd:set_default_active_thread_percentage " + "9" * 500, "set_default_active_thread_percentage " + "9" * 64),
+        (  # a long argument: 64 characters of it
+            "[…] Cmd:set_default_active_thread_percentage " + "9" * 500,
+            "set_default_active_thread_percentage " + "9" * 64,
+        ),
     ],
 )
 def test_written_default(line, command):

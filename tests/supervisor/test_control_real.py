@@ -129,8 +129,8 @@ class SendsOutOfRange(Control):
     """Sends 250 whatever percentage it is asked to set: the daemon refuses it with exit 0."""
 
     def batch(self, commands, timeout=None):
-        out = ["set_default_active_thread_percentage 250" if c.startswith("set_default_active") else c for c in commands]
-        return super().batch(out, timeout)
+        refused = "set_default_active_thread_percentage 250"
+        return super().batch([refused if c.startswith("set_default_active") else c for c in commands], timeout)
 
 
 def test_settle_sets_and_reads_back_the_defaults_in_one_session(daemon):

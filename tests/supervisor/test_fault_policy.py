@@ -127,7 +127,7 @@ def test_terminate_ends_every_client_of_the_faulted_server_then_kills_the_rest(
     r.wait_for(lambda s: s.configured)
     libcuda, socket_path = fake_cuda_dir / "libcuda.so.1", str(tmp_path / "server")
     server = stand_in_server(socket_path)
-    clients += [client(True, config.pipe_dir, libcuda, socket_path), client(False, config.pipe_dir, libcuda, socket_path)]
+    clients += [client(coop, config.pipe_dir, libcuda, socket_path) for coop in (True, False)]
     ended, stuck = clients
     servers.append(server)
     sent: list = []

@@ -126,7 +126,8 @@ def test_an_mps_client_is_shown_by_the_kernel_not_by_its_environment(tmp_path):
         listener.listen(4)
         code = "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); time.sleep(60)"
         connected = subprocess.Popen([sys.executable, "-c", code, str(server)])
-        alone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={"CUDA_MPS_PIPE_DIRECTORY": "/x"})
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+        alone = subprocess.Popen(sleep, env={"CUDA_MPS_PIPE_DIRECTORY": "/x"})
         try:
             accepted, _ = listener.accept()
             with accepted:

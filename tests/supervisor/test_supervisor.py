@@ -98,7 +98,9 @@ class SlowAnswers:
         if commands[0] == "get_default_active_thread_percentage":  # the health check reads the defaults first
             self.counter[0] += 1
             if self.counter[0] in self.silent:
-                raise ControlTimeout("'get_default_active_thread_percentage': no answer from the MPS control daemon in 2s")
+                raise ControlTimeout(
+                    "'get_default_active_thread_percentage': no answer from the MPS control daemon in 2s"
+                )
         return self.real.batch(commands, timeout)
 
 
