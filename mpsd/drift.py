@@ -116,12 +116,36 @@ def differences(want: Defaults, got: Defaults) -> list[str]:
     return out
 
 
-def settle(control: Control, config: "Config", devices: set[int], previous: "Config | None" = None) -> list[str]:
+def only_differing(sets: list[str], config: "Config", devices: set[int], got: Defaults) -> list[str]:
+    """The commands of ``sets`` (set_commands') that change something the daemon reads back as
+    ``got``: what an adopted daemon is sent (nothing it already has)."""
+    want = expected(config, devices)
+    keep = []
+    for command in sets:
+        words = command.split()
+        if words[0] == "set_default_active_thread_percentage":
+            if math.isclose(got.active_thread_percentage, want.active_thread_percentage, abs_tol=0.05):
+                continue
+        elif words[0] == "set_default_client_priority":
+            if got.client_priority == want.client_priority:
+                continue
+        elif words[1].isdigit() and int(words[1]) in want.pinned_mem_limit:  # a limit by UUID: always sent
+            if got.pinned_mem_limit.get(int(words[1])) == want.pinned_mem_limit[int(words[1])]:
+                continue
+        keep.append(command)
+    return keep
+
+
+def settle(control: Control, config: "Config", devices: set[int], previous: "Config | None" = None,
+           got: Defaults | None = None) -> list[str]:
     """Set ``config``'s defaults and read them back, all in one front-end session: no other
     front-end (a pod's writer) can come between a value set and its read-back. What reads back
     different then is what the daemon itself refused: returned (``differences``), [] when none.
-    ``previous``: see set_commands. Raises ControlError (ControlBusy: held by another front-end)."""
+    ``previous``: see set_commands; ``got``: the defaults as read, only those that differ are
+    set (only_differing). Raises ControlError (ControlBusy: held by another front-end)."""
     sets = set_commands(config, devices, previous)
+    if got is not None:
+        sets = only_differing(sets, config, devices, got)
     dropped = {d for d in (previous.pinned_mem_limit if previous else {}) if isinstance(d, int)}
     ordinals = sorted(watched(config, devices) | (dropped - config.pinned_mem_limit.keys()))
     answers = control.batch(sets + read_commands(ordinals))

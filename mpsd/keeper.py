@@ -70,6 +70,21 @@ class Keeper:
         log.info("new defaults applied: they reach servers started from now on")
         return self._report(left, "", REFUSED, config.verdict_timeout, "refused") if left else ""
 
+    def adopt(self, control: Control, got: drift.Defaults, devices: set[int]) -> str:
+        """An adopted daemon's defaults made the config's, setting only those that differ from
+        ``got`` (another config's, or a daemon its holder restarted: not tampering): "" when done
+        or nothing differed, else why not (``stale``: tried again at the next health check)."""
+        changed = drift.differences(drift.expected(self.applied, devices), got)
+        if not changed:
+            return ""
+        try:
+            left = drift.settle(control, self.applied, devices, got=got)
+        except ControlError as exc:
+            self.stale = isinstance(exc, ControlBusy)
+            return f"adopted daemon's defaults not set yet ({'; '.join(changed)}): {exc}"
+        log.info("adopted daemon's defaults set to the config's (it had %s)", "; ".join(changed))
+        return self._report(left, "", REFUSED, 0.0, "refused") if left else ""
+
     def restore(self, control: Control, got: drift.Defaults, devices: set[int], bound: float) -> str:
         """Put back defaults changed through ``control`` (``got``: as a health check read them):
         "" when none were changed, else the report (also when they were put back)."""

@@ -391,14 +391,9 @@ class Supervisor(AdoptionMixin):
         adopting, self._adopting = self._adopting, False
         if not adopting:
             return self._defaults.restore(self.control(), got, devices, self.config.verdict_timeout)
-        changed = drift.differences(drift.expected(self._defaults.applied, devices), got)
-        if not changed:
-            return ""
-        message = self._defaults.start(self.control(), self._defaults.applied, devices)
-        if message and self._defaults.stale:
-            self._adopting = True  # busy: the next round tries again, still as adoption
-        else:
-            log.info("adopted daemon's defaults set to the config's (it had %s)", "; ".join(changed))
+        message = self._defaults.adopt(self.control(), got, devices)
+        if self._defaults.stale:  # busy: the next round tries again, still as adoption
+            self._defaults.stale, self._adopting = False, True
         return message
 
     def _mps_client_problem(self, pid: int, server: int) -> str:
