@@ -14,14 +14,24 @@
  * Every other SIGBUS goes where it went before the guard: to the application's action (the
  * one installed when the guard was, or one the application set since through the shim's
  * sigaction/signal, ms_region_sigbus_action, which records it instead of displacing the
- * guard), called as that handler asked (SA_SIGINFO or not; its sa_mask, SA_NODEFER and
- * SA_RESETHAND are not reproduced), or to the default action
+ * guard), delivered as the kernel would deliver it: the guard's own disposition carries the
+ * application's sa_mask, SA_NODEFER and SA_RESTART (kept in step with every change the
+ * application makes), so the handler runs with the mask and the restart behaviour the kernel
+ * would give it; SA_RESETHAND is done by the guard (the kernel's disposition must stay the
+ * guard): the recorded action becomes SIG_DFL on entry to the handler, exactly once when
+ * threads race, so a handler that returns from a fault, or raises SIGBUS again, meets the
+ * default action as it would without the shim. The handler is called as it asked (SA_SIGINFO
+ * or not). The guard keeps SA_ONSTACK whatever the application asked (runtimes such as Go's
+ * require it of every handler): with an alternate stack set up, the application's handler
+ * runs on it. Or the signal goes to the default action
  * (restored, then the fault repeats, or the signal is raised again once this handler
  * returns), or nowhere if it was ignored and not a fault.
  * Async-signal-safety: the handler reads the table with atomic loads and the application's
  * action under a sequence counter (its writers block every signal and take a spin lock, so no
  * writer is ever interrupted by the handler on its own thread), and calls only mmap,
- * sigaction and raise (system calls); it keeps errno. The kernel's disposition is changed
+ * sigaction, pthread_sigmask and raise (system calls); it keeps errno. Taking an SA_RESETHAND
+ * action is a write: the handler does it as the writers do, every signal blocked, the spin
+ * lock held for a copy. The kernel's disposition is changed
  * with __sigaction, glibc's own, so the shim's interposed sigaction is not re-entered. Threads: a fault is handled in the
  * faulting thread; others that touch the mapping meanwhile either fault too (and replace it
  * again, harmlessly) or read the zero pages. A mapping is unregistered before it is unmapped,
@@ -48,6 +58,8 @@ static unsigned ms_prev_seq;            /* odd while ms_prev is being written */
 static int ms_spin;                     /* serialises the writers of the disposition and ms_prev */
 static int ms_installed;                /* the guard's handler is the kernel's disposition */
 
+static void ms_on_sigbus(int sig, siginfo_t *si, void *uc);
+
 /* Writers hold every signal off (so the handler never runs on a writer's thread mid-write) and
  * the spin lock (held for a system call at most). */
 MS_UNINSTRUMENTED static void ms_lock(sigset_t *saved) {
@@ -67,6 +79,15 @@ MS_UNINSTRUMENTED static void ms_prev_write(const struct sigaction *act) {
     __atomic_add_fetch(&ms_prev_seq, 1, __ATOMIC_ACQ_REL); /* odd; the copy stays after it */
     memcpy(&ms_prev, act, sizeof ms_prev);
     __atomic_add_fetch(&ms_prev_seq, 1, __ATOMIC_RELEASE);
+}
+
+/* The kernel's disposition for the application's action ``app``: the guard's handler with the
+ * application's sa_mask and the flags that shape a delivery (SA_NODEFER, SA_RESTART). */
+MS_UNINSTRUMENTED static void ms_guard_for(const struct sigaction *app, struct sigaction *guard) {
+    memset(guard, 0, sizeof *guard);
+    guard->sa_sigaction = ms_on_sigbus;
+    guard->sa_mask = app->sa_mask;
+    guard->sa_flags = SA_SIGINFO | SA_ONSTACK | (app->sa_flags & (SA_NODEFER | SA_RESTART));
 }
 
 /* In the handler: a consistent copy (a writer on another thread finishes in a few instructions). */
@@ -91,9 +112,31 @@ static void ms_default(int sig, const siginfo_t *si) {
     /* a fault: the instruction runs again when this handler returns, and faults again */
 }
 
+static int ms_is_handler(const struct sigaction *act) {
+    return (act->sa_flags & SA_SIGINFO) ? act->sa_sigaction != NULL
+                                        : act->sa_handler != SIG_DFL && act->sa_handler != SIG_IGN;
+}
+
+/* The application's action for the SIGBUS being delivered now. With SA_RESETHAND the recorded
+ * action is SIG_DFL from here on (its flags and mask kept, as the kernel keeps them), and of
+ * threads racing to it only the first gets the handler. */
+static void ms_prev_take(struct sigaction *out) {
+    ms_prev_read(out);
+    if (!(out->sa_flags & SA_RESETHAND) || !ms_is_handler(out)) return;
+    sigset_t saved;
+    ms_lock(&saved);
+    memcpy(out, &ms_prev, sizeof *out);
+    if ((out->sa_flags & SA_RESETHAND) && ms_is_handler(out)) {
+        struct sigaction reset = *out;
+        reset.sa_handler = SIG_DFL; /* sa_sigaction shares its storage */
+        ms_prev_write(&reset);
+    }
+    ms_unlock(&saved);
+}
+
 static void ms_chain(int sig, siginfo_t *si, void *uc) {
     struct sigaction prev;
-    ms_prev_read(&prev);
+    ms_prev_take(&prev);
     if (prev.sa_flags & SA_SIGINFO) {
         if (prev.sa_sigaction != NULL) prev.sa_sigaction(sig, si, uc);
         else ms_default(sig, si);
@@ -134,11 +177,11 @@ static int ms_guard_install(void) {
     int rc = 0;
     if (!ms_installed) {
         struct sigaction sa, old;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_sigaction = ms_on_sigbus;
-        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
-        sigemptyset(&sa.sa_mask);
-        rc = __sigaction(SIGBUS, &sa, &old);
+        rc = __sigaction(SIGBUS, NULL, &old);
+        if (rc == 0) {
+            ms_guard_for(&old, &sa);
+            rc = __sigaction(SIGBUS, &sa, NULL);
+        }
         if (rc == 0) {
             ms_prev_write(&old);
             __atomic_store_n(&ms_installed, 1, __ATOMIC_RELEASE);
@@ -153,8 +196,14 @@ MS_UNINSTRUMENTED int ms_region_sigbus_action(const struct sigaction *act, struc
     ms_lock(&saved);
     int rc = 0;
     if (ms_installed) { /* record it: the guard chains to it, and stays the kernel's */
-        if (old != NULL) memcpy(old, &ms_prev, sizeof *old);
-        if (act != NULL) ms_prev_write(act);
+        struct sigaction guard;
+        if (act != NULL) ms_guard_for(act, &guard);
+        if (act != NULL && __sigaction(SIGBUS, &guard, NULL) != 0) {
+            rc = -1; /* act's mask or flags refused (errno EINVAL): nothing changed */
+        } else {
+            if (old != NULL) memcpy(old, &ms_prev, sizeof *old);
+            if (act != NULL) ms_prev_write(act);
+        }
     } else {
         rc = __sigaction(SIGBUS, act, old);
     }

@@ -14,6 +14,7 @@ from . import independent, multiuser
 if TYPE_CHECKING:
     from .config import Config
     from .health import HealthBoard
+    from .keeper import Keeper
     from .supervisor import Status
 
 log = logging.getLogger("mpsd.supervisor")
@@ -26,8 +27,7 @@ class AdoptionMixin:
     _said: str
     _uid_policy: multiuser.UidPolicy | None
     _adopting: bool
-    _applied: Config
-    _defaults_stale: bool
+    _defaults: Keeper
     _verdict_at: float
     _next_at: float | None
 
@@ -46,7 +46,8 @@ class AdoptionMixin:
         if shared is not None:
             self._uid_policy = multiuser.UidPolicy(shared, (), "the adopted daemon's command line")
             self._publish(multi_user=shared)
-        self._applied, self._defaults_stale, self._verdict_at = self.config, False, time.monotonic()
+        self._defaults.applied, self._defaults.stale, self._verdict_at = self.config, False, time.monotonic()
+        self._defaults.new_daemon(daemon.pid, self.config.pipe_dir)  # writers named by who holds its session
         self._publish(state="running", pid=daemon.pid)
         self._adopting = True
         self._health_check()

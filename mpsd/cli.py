@@ -21,6 +21,7 @@ from typing import Callable, Mapping, NoReturn, Sequence
 
 from . import config as cfg
 from .clientenv import client_env
+from .frameworks import VARIABLES as FRAMEWORK_VARIABLES
 from .errors import ConfigError, MpsdError, one_line, printable
 from .trees import remove_tree
 from .units import parse_limits, parse_percentage, parse_size
@@ -261,6 +262,7 @@ def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) 
             region_path=region,
         )
     )
+    child_env.update({name: env[name] for name in FRAMEWORK_VARIABLES if name in env})  # the user's own wins
     if shim_library and env.get("LD_PRELOAD"):
         child_env["LD_PRELOAD"] = f"{shim_library}:{env['LD_PRELOAD']}"
     log.debug("exec cmd=%s env=%s", cmd, {k: child_env[k] for k in child_env if k not in env or env[k] != child_env[k]})

@@ -1,11 +1,12 @@
 """The environment an MPS client needs, as a pure function of the slice it was given.
 
-Used by ``mpsd exec`` (one process on a node) and by the device plugin's Allocate (a
-container). Paths are the ones the client will see.
+Used by ``mpsd exec`` (one process on a node), the device plugin's Allocate (a container) and
+the DRA driver's CDI specs (a claim's containers). Paths are the ones the client will see.
 """
 
 from __future__ import annotations
 
+from .frameworks import framework_env
 from .units import Limits, format_limits
 
 
@@ -23,7 +24,9 @@ def client_env(
 
     ``memory_limits`` is keyed the way the client sees its devices (ordinals after
     CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES, or UUIDs). With ``shim_library`` the shim
-    is preloaded and enforces the same limits for all processes sharing ``region_path``.
+    is preloaded and enforces the same limits for all processes sharing ``region_path``: they
+    share one cap, so frameworks that would preallocate are told to allocate on demand
+    (mpsd.frameworks).
     """
     env = {"CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
     if log_dir:
@@ -38,6 +41,7 @@ def client_env(
         env["LD_PRELOAD"] = shim_library
         if region_path:
             env["MPSSHIM_REGION"] = region_path
+        env.update(framework_env())
     return env
 
 

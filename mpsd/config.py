@@ -311,7 +311,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("healthTimeout", "health-timeout", _positive_duration, "3s",
             "a control command without answer in this time means the daemon hangs"),
     Setting("verdictTimeout", "verdict-timeout", _positive_duration, "30s",
-            "/readyz fails once health checks were inconclusive this long (a held control session)"),
+            "/readyz fails once health checks were inconclusive (a held control session), or found "
+            "the defaults changed again and again, this long"),
     Setting("restartBackoffInitial", "restart-backoff-initial", _positive_duration, "0.2s",
             "wait before the first restart; doubles with every failure in a row"),
     Setting("restartBackoffMax", "restart-backoff-max", _positive_duration, "30s",

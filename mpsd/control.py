@@ -10,15 +10,14 @@ timeout; the parsing is done by pure functions below, tested by tables.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ControlBusy, ControlError, ControlTimeout, DaemonNotRunning, MpsdError
+from .errors import ControlBusy, ControlError, ControlTimeout, DaemonNotRunning
 from .units import UNITS, format_size_mps_control, is_decimal
 
 if TYPE_CHECKING:
@@ -32,6 +31,10 @@ NOT_RUNNING = ("Cannot find MPS control daemon process", "Cannot authenticate or
 # followed by SENTINEL, whose answer is never empty: no output at all means "not served".
 BUSY = "Cannot send command to MPS control daemon process"
 SENTINEL = "get_default_active_thread_percentage"
+# Ends each answer of a batch (Control.batch): an unknown command, answered on every version
+# seen (535.216, 535.261, 550.163, 555.58) with one line, MARK_ANSWER, and nothing else.
+MARK = "mpsd-end-of-answer"
+MARK_ANSWER = f'Unknown command "{MARK}"'
 BUSY_RETRY = (0.01, 0.1)  # first and longest wait between tries while busy, seconds
 # Lines the front-end prints (with exit 0) when a command is rejected.
 _REJECTIONS = (
@@ -97,6 +100,23 @@ def strip_sentinel(output: str) -> str:
     """The answer to the command, without the last line (the SENTINEL's answer)."""
     lines = output.rstrip("\n").split("\n")
     return "".join(line + "\n" for line in lines[:-1])
+
+
+def split_answers(output: str, count: int) -> list[str]:
+    """The answers of a batch of ``count`` commands, each ended by MARK's answer line."""
+    parts: list[str] = []
+    current: list[str] = []
+    for line in output.splitlines():
+        if line.strip() == MARK_ANSWER:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(line + "\n")
+    if len(parts) != count or any(line.strip() for line in current):
+        raise UnexpectedOutput(
+            f"unexpected batch answer {output!r}: expected {count} answer(s) each ended by {MARK_ANSWER!r}"
+        )
+    return parts
 
 
 def parse_pids(output: str) -> list[int]:
@@ -207,35 +227,54 @@ class Control:
         """Send one command; the text printed. While another front-end holds the daemon, the
         command is tried again until the timeout. Raises DaemonNotRunning, ControlTimeout,
         ControlBusy, CommandRejected/UnknownCommand, ControlError."""
+        sentinel = not command.startswith("quit")  # the daemon is gone after quit
+        script = f"{command}\n{SENTINEL}\n" if sentinel else f"{command}\n"
+        out = self._exchange(command, script, sentinel, timeout)
+        answer = strip_sentinel(out) if sentinel else out
+        check_rejection(command, answer)
+        return answer
+
+    def batch(self, commands: list[str], timeout: float | None = None) -> list[str]:
+        """Send ``commands`` in ONE front-end session; the answer to each. The daemon serves one
+        front-end at a time, so no other front-end's command comes between two of these (a
+        value set and read back here is what this session set). Raises as :meth:`call`."""
+        script = "".join(f"{command}\n{MARK}\n" for command in commands)
+        label = f"{commands[0]} (+{len(commands) - 1} in one session)" if len(commands) > 1 else commands[0]
+        answers = split_answers(self._exchange(label, script, True, timeout), len(commands))
+        for command, answer in zip(commands, answers, strict=True):
+            check_rejection(command, answer)
+        return answers
+
+    def _exchange(self, label: str, script: str, answers: bool, timeout: float | None) -> str:
+        """Run one front-end session with ``script``; its stdout. ``answers``: the script ends
+        in a command whose answer is never empty, so an empty stdout means "not served"."""
         limit = self.timeout if timeout is None else timeout
         start = time.monotonic()
         deadline = start + limit
-        sentinel = not command.startswith("quit")  # the daemon is gone after quit
-        script = f"{command}\n{SENTINEL}\n" if sentinel else f"{command}\n"
         pause, tries, refused = BUSY_RETRY[0], 0, False
         while True:
             tries += 1
             try:
-                proc = self._run_once(command, script, limit, max(deadline - time.monotonic(), 0.001))
+                proc = self._run_once(label, script, limit, max(deadline - time.monotonic(), 0.001))
             except ControlTimeout:
                 if not refused:
                     raise
                 # the last try ran out of the time left: the daemon had said it was busy, not hung
-                raise _busy(command, tries, limit) from None
+                raise _busy(label, tries, limit) from None
             out = proc.stdout + proc.stderr
-            busy = BUSY in out if proc.returncode != 0 else (sentinel and not proc.stdout.strip())
+            busy = BUSY in out if proc.returncode != 0 else (answers and not proc.stdout.strip())
             refused = refused or busy
             if not (busy or (proc.returncode != 0 and not out.strip())):  # a silent exit 1: try again too
                 break
             if time.monotonic() + pause >= deadline:
                 if not busy and not refused:
                     break  # only silent failures: reported as the front-end's failure below
-                raise _busy(command, tries, limit)
+                raise _busy(label, tries, limit)
             time.sleep(pause)
             pause = min(pause * 2, BUSY_RETRY[1])
         log.debug(
             "control command=%r rc=%d tries=%d seconds=%.3f output=%r",
-            command,
+            label,
             proc.returncode,
             tries,
             time.monotonic() - start,
@@ -244,11 +283,9 @@ class Control:
         if proc.returncode != 0:
             text = " ".join(_lines(out)) or f"exit status {proc.returncode}"
             if any(marker in out for marker in NOT_RUNNING):
-                raise DaemonNotRunning(f"{command!r}: no MPS control daemon on pipe dir {self.pipe_dir}: {text}")
-            raise ControlError(f"{command!r}: front-end failed: {text}")
-        answer = strip_sentinel(proc.stdout) if sentinel else proc.stdout
-        check_rejection(command, answer)
-        return answer
+                raise DaemonNotRunning(f"{label!r}: no MPS control daemon on pipe dir {self.pipe_dir}: {text}")
+            raise ControlError(f"{label!r}: front-end failed: {text}")
+        return proc.stdout
 
     def _run_once(self, command: str, script: str, limit: float, left: float) -> subprocess.CompletedProcess[str]:
         try:
@@ -330,45 +367,7 @@ class Control:
         self.call("quit" + ("" if timeout_s is None else f" -t {timeout_s}"), timeout=wait)
 
 
-# ---------------------------------------------------------------- defaults, set and verified
-
-
-class ConfigureError(MpsdError):
-    """A default did not read back as set."""
-
-
-def apply_defaults(control: Control, config: "Config", previous: "Config | None" = None) -> None:
-    """Set the daemon-wide defaults and read each back; ConfigureError on a mismatch.
-
-    ``previous``: the config the running daemon got before (a reload). A device limit it had
-    and ``config`` drops is removed (a limit of 0 unsets it); a client priority it set and
-    ``config`` leaves empty goes back to the driver's default, 0."""
-    if previous is not None:
-        for device in previous.pinned_mem_limit.keys() - config.pinned_mem_limit.keys():
-            control.set_default_device_pinned_mem_limit(device, "0")
-            if isinstance(device, int) and (left := control.get_default_device_pinned_mem_limit(device)) is not None:
-                raise ConfigureError(f"pinnedMemLimit: device {device} unset, daemon reads back {left!r} bytes")
-        if previous.client_priority is not None and config.client_priority is None:
-            config = replace(config, client_priority=0)
-    wanted = config.active_thread_percentage
-    control.set_default_active_thread_percentage(wanted)
-    got = control.get_default_active_thread_percentage()
-    if not math.isclose(got, wanted, abs_tol=0.05):
-        raise ConfigureError(f"activeThreadPercentage: set {wanted:g}, daemon reads back {got:g}")
-    for device, nbytes in config.pinned_mem_limit.items():
-        value = format_size_mps_control(nbytes)
-        control.set_default_device_pinned_mem_limit(device, value)
-        if isinstance(device, str):
-            log.warning("pinned limit by UUID cannot be read back on this daemon device=%s value=%s", device, value)
-            continue
-        got_bytes = control.get_default_device_pinned_mem_limit(device)
-        if got_bytes != mem_limit_as_displayed(nbytes):
-            raise ConfigureError(f"pinnedMemLimit: device {device} set {value}, daemon reads back {got_bytes!r} bytes")
-    if config.client_priority is not None:
-        control.set_default_client_priority(config.client_priority)
-        got_priority = control.get_default_client_priority()
-        if got_priority != config.client_priority:
-            raise ConfigureError(f"clientPriority: set {config.client_priority}, daemon reads back {got_priority}")
+# ---------------------------------------------------------------- servers started early
 
 
 def limit_early_servers(control: Control, config: "Config") -> list[int]:

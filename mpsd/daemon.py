@@ -103,6 +103,7 @@ class DaemonProcess:
         self.started = time.monotonic()
         self.returncode: int | None = None
         self.retired_because = ""  # why the supervisor killed it, if it did
+        self.on_line: Callable[[str], None] | None = None  # sees each line it prints (contest.WriterWatch)
         self._log_path = os.path.join(config.log_dir, "control.log")
         self.last_line = ""  # the daemon's last line of output (why it exited at start, say)
         self._pump_thread = threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True)
@@ -125,6 +126,11 @@ class DaemonProcess:
                 self.last_line = text[:300] or self.last_line
                 level = logging.WARNING if (b"exited with status" in line or b"fatal" in line) else logging.DEBUG
                 log.log(level, "daemon pid=%d says %s", self.pid, text)
+                if self.on_line is not None:
+                    try:
+                        self.on_line(text)
+                    except Exception:  # the output must go on being read
+                        log.exception("daemon output watcher failed")
         out.close()
 
     def _wait(self, on_exit: Callable[["DaemonProcess", int], None]) -> None:

@@ -7,19 +7,28 @@ every device the config names or mpsd manages (by the daemon's ordinals, 0..n-1;
 expected where the config sets none),
 and the default client priority (the driver's 0 where the config sets none). Limits keyed by
 UUID cannot be read back on 535 and are not compared.
+
+Every read, and every set with its read-back, is ONE front-end session (Control.batch): the
+daemon serves one front-end at a time, so a pod writing in a loop cannot come between a value
+mpsd sets and the value it reads back. It can change a default again after the session:
+the supervisor then reports it and sets it again at the next round, and never restarts the
+daemon for it (a restart ends every tenant's MPS server: what such a writer would want).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .control import ConfigureError, Control, mem_limit_as_displayed
+from .control import Control, mem_limit_as_displayed, parse_mem_limit, parse_percentage, parse_priority
 from .units import format_size_mps_control
 
 if TYPE_CHECKING:
     from .config import Config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,10 +40,14 @@ class Defaults:
 
 def expected(config: "Config", devices: set[int]) -> Defaults:
     """What the daemon reads back when it has ``config``'s defaults."""
+    return _expected(config, sorted(watched(config, devices)))
+
+
+def _expected(config: "Config", ordinals: list[int]) -> Defaults:
     limits = config.pinned_mem_limit
     return Defaults(
         config.active_thread_percentage,
-        {d: mem_limit_as_displayed(limits[d]) if d in limits else None for d in sorted(watched(config, devices))},
+        {d: mem_limit_as_displayed(limits[d]) if d in limits else None for d in ordinals},
         config.client_priority or 0,
     )
 
@@ -48,12 +61,45 @@ def watched(config: "Config", devices: set[int]) -> set[int]:
     return configured if by_uuid else configured | set(devices)
 
 
-def read(control: Control, config: "Config", devices: set[int]) -> Defaults:
+def read_commands(ordinals: list[int]) -> list[str]:
+    return [
+        "get_default_active_thread_percentage",
+        *(f"get_default_device_pinned_mem_limit {d}" for d in ordinals),
+        "get_default_client_priority",
+    ]
+
+
+def parse_read(answers: list[str], ordinals: list[int]) -> Defaults:
+    """The answers to read_commands(ordinals), in order."""
     return Defaults(
-        control.get_default_active_thread_percentage(),
-        {d: control.get_default_device_pinned_mem_limit(d) for d in sorted(watched(config, devices))},
-        control.get_default_client_priority(),
+        parse_percentage(answers[0]),
+        {d: parse_mem_limit(answer) for d, answer in zip(ordinals, answers[1:-1], strict=True)},
+        parse_priority(answers[-1]),
     )
+
+
+def set_commands(config: "Config", devices: set[int], previous: "Config | None" = None) -> list[str]:
+    """Commands that give the daemon ``config``'s defaults: each watched device's limit (0
+    unsets one the config does not name), and any limit ``previous`` (the config the daemon had
+    before a reload) set that ``config`` drops; the client priority back to the driver's 0 where
+    the config sets none."""
+    limits: dict[int | str, int] = dict.fromkeys(previous.pinned_mem_limit if previous else {}, 0)
+    limits.update(dict.fromkeys(watched(config, devices), 0))
+    limits.update(config.pinned_mem_limit)
+    return [
+        f"set_default_active_thread_percentage {config.active_thread_percentage:g}",
+        *(
+            f"set_default_device_pinned_mem_limit {d} {format_size_mps_control(n) if n else '0'}"
+            for d, n in sorted(limits.items(), key=lambda item: str(item[0]))
+        ),
+        f"set_default_client_priority {config.client_priority or 0}",
+    ]
+
+
+def read(control: Control, config: "Config", devices: set[int]) -> Defaults:
+    """The watched defaults, read in one front-end session."""
+    ordinals = sorted(watched(config, devices))
+    return parse_read(control.batch(read_commands(ordinals)), ordinals)
 
 
 def differences(want: Defaults, got: Defaults) -> list[str]:
@@ -70,19 +116,40 @@ def differences(want: Defaults, got: Defaults) -> list[str]:
     return out
 
 
-def restore(control: Control, config: "Config", devices: set[int], got: Defaults | None = None) -> None:
-    """Set every watched default to the config's (those that differ from ``got``, when given)
-    and read them back; ConfigureError if one does not come back as set."""
+def only_differing(sets: list[str], config: "Config", devices: set[int], got: Defaults) -> list[str]:
+    """The commands of ``sets`` (set_commands') that change something the daemon reads back as
+    ``got``: what an adopted daemon is sent (nothing it already has)."""
     want = expected(config, devices)
-    if got is None or not math.isclose(got.active_thread_percentage, want.active_thread_percentage, abs_tol=0.05):
-        control.set_default_active_thread_percentage(config.active_thread_percentage)
-    for device in sorted(watched(config, devices)):
-        if got is not None and got.pinned_mem_limit.get(device) == want.pinned_mem_limit[device]:
-            continue
-        nbytes = config.pinned_mem_limit.get(device)
-        control.set_default_device_pinned_mem_limit(device, "0" if nbytes is None else format_size_mps_control(nbytes))
-    if got is None or got.client_priority != want.client_priority:
-        control.set_default_client_priority(config.client_priority or 0)
-    left = differences(want, read(control, config, devices))
-    if left:
-        raise ConfigureError(f"defaults restored but the daemon reads back {'; '.join(left)}")
+    keep = []
+    for command in sets:
+        words = command.split()
+        if words[0] == "set_default_active_thread_percentage":
+            if math.isclose(got.active_thread_percentage, want.active_thread_percentage, abs_tol=0.05):
+                continue
+        elif words[0] == "set_default_client_priority":
+            if got.client_priority == want.client_priority:
+                continue
+        elif words[1].isdigit() and int(words[1]) in want.pinned_mem_limit:  # a limit by UUID: always sent
+            if got.pinned_mem_limit.get(int(words[1])) == want.pinned_mem_limit[int(words[1])]:
+                continue
+        keep.append(command)
+    return keep
+
+
+def settle(control: Control, config: "Config", devices: set[int], previous: "Config | None" = None,
+           got: Defaults | None = None) -> list[str]:
+    """Set ``config``'s defaults and read them back, all in one front-end session: no other
+    front-end (a pod's writer) can come between a value set and its read-back. What reads back
+    different then is what the daemon itself refused: returned (``differences``), [] when none.
+    ``previous``: see set_commands; ``got``: the defaults as read, only those that differ are
+    set (only_differing). Raises ControlError (ControlBusy: held by another front-end)."""
+    sets = set_commands(config, devices, previous)
+    if got is not None:
+        sets = only_differing(sets, config, devices, got)
+    dropped = {d for d in (previous.pinned_mem_limit if previous else {}) if isinstance(d, int)}
+    ordinals = sorted(watched(config, devices) | (dropped - config.pinned_mem_limit.keys()))
+    answers = control.batch(sets + read_commands(ordinals))
+    for device in config.pinned_mem_limit:
+        if isinstance(device, str):
+            log.info("pinned limit by UUID set, not read back (this daemon cannot) device=%s", device)
+    return differences(_expected(config, ordinals), parse_read(answers[len(sets) :], ordinals))

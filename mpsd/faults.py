@@ -14,8 +14,9 @@ their orchestrator); ``terminate`` ends them so the server can recover:
    ended, it gets CUDA_ERROR_MPS_CLIENT_TERMINATED);
 2. at the first health check ``grace`` seconds later, every client still listed is SIGKILLed,
    through a pidfd opened before the list is read again, so a PID reused meanwhile is never hit,
-   and only once ``is_client`` shows it is an MPS client of this pipe dir (mpsd.peer): a list
-   is the daemon's word, and the pipe dir's sockets can be replaced by a pod's.
+   and only once ``is_client`` shows it is an MPS client of that server (mpsd.peer: the kernel
+   names it connected to the daemon or the server; its environment, which it can rewrite, is
+   not asked): a list is the daemon's word, and the pipe dir's sockets can be replaced by a pod's.
 
 A daemon without ``terminate_client`` (it answers "Unknown command") turns the policy into
 ``report``, said once in one line. Every step is logged; the counts per method are kept for
@@ -51,10 +52,13 @@ class _Ending:
 
 class FaultHandler:
     def __init__(
-        self, grace: float, protected: tuple[int, ...] = (), is_client: Callable[[int], str] = lambda pid: ""
+        self,
+        grace: float,
+        protected: tuple[int, ...] = (),
+        is_client: Callable[[int, int], str] = lambda pid, server: "",
     ) -> None:
         self.grace = grace  # seconds between terminate_client and SIGKILL
-        self.is_client = is_client  # "" if the PID is shown to be an MPS client, else why not
+        self.is_client = is_client  # (pid, server): "" if shown to be an MPS client of it, else why not
         self.protected = {0, 1, os.getpid(), *protected}  # never signalled
         self.counts: dict[str, int] = {}
         self.unsupported = ""  # the one-line reason once terminate_client proved missing
@@ -167,7 +171,7 @@ class FaultHandler:
         try:
             if pid not in control.get_client_list(server):
                 return False
-            problem = self.is_client(pid)
+            problem = self.is_client(pid, server)
             if problem:
                 log.error("fault policy: client=%d of server=%d not killed: no MPS client: %s", pid, server, problem)
                 return False

@@ -154,7 +154,9 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
             )
             metrics.set_faulted_servers(sum(state == "FAULT" for state in status.server_states.values()))
             metrics.set_fault_terminations(status.fault_terminations)
-            metrics.set_control_plane(status.impostors, status.defaults_restored, status.verdict_age)
+            metrics.set_control_plane(
+                status.impostors, status.defaults_restored, status.verdict_age, status.defaults_contested
+            )
             metrics.set_uid_sharing(status.multi_user, len(status.waiting))
         pump.request()  # also when down: the device health series follows the board
 

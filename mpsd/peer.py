@@ -50,6 +50,12 @@ def maps_cuda_driver(maps: str) -> bool:
     return any(re.search(r"/libcuda\.so(\.[0-9.]*)?$", line) for line in maps.splitlines())
 
 
+def parse_stat_ppid(stat: str) -> int | None:
+    """The parent PID field of a /proc/PID/stat line (the comm may hold spaces and parentheses)."""
+    fields = stat[stat.rfind(")") + 1 :].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(r"(?:^|/|-)([0-9a-f]{64})(?:\.scope)?(?=/|$)")
 
@@ -98,6 +104,15 @@ def describe(pid: int, proc: str = "/proc") -> str:
     return " ".join(filter(None, [f"pid {pid} ({comm!r})", owner]))
 
 
+def parent_pid(pid: int, proc: str = "/proc") -> int | None:
+    """The parent of ``pid`` (None when it cannot be read: gone, or not in mpsd's PID namespace)."""
+    try:
+        stat = _read(f"{proc}/{pid}/stat", 4096).decode(errors="replace")
+    except OSError:
+        return None
+    return parse_stat_ppid(stat)
+
+
 def describe_all(pids: list[int], proc: str = "/proc") -> str:
     return ", ".join(describe(pid, proc) for pid in pids) or "a front-end mpsd cannot name"
 
@@ -137,25 +152,36 @@ def session_holders(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list
     its peer with SO_PEERCRED. [] when none, or when they cannot be read. (/proc/PID/net/unix
     would not do: an accepted socket belongs to the network namespace of the one who connected.)
     A peer that has exited holds nothing: a stopped daemon keeps the session of a front-end
-    that died meanwhile (mpsd's own, killed at its timeout) until it runs again."""
-    return sorted({pid for pid, _uid in session_peers(daemon_pid, pipe_dir, proc)})
+    that died meanwhile (mpsd's own, killed at its timeout) until it runs again. mpsd itself is
+    never a holder: its impostor probes connect too, and the daemon may not have closed one yet."""
+    return sorted({pid for pid, _uid in session_peers(daemon_pid, pipe_dir, proc)} - {os.getpid()})
 
 
 def session_peers(daemon_pid: int, pipe_dir: str, proc: str = "/proc") -> list[tuple[int, int]]:
     """(PID, UID) of every live process the daemon holds a connection of on its control
     sockets: front-end sessions, servers, and CUDA clients (a client waiting for its server
     stays connected, mpsd/multiuser.py). [] when they cannot be read."""
-    paths = {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}
+    peers = _peers(daemon_pid, {os.path.join(pipe_dir, name) for name in CONTROL_SOCKETS}, proc)
+    return sorted(peer for peer in peers if alive(peer[0], proc))
+
+
+def socket_peers(holder: int, paths: set[str] | None = None, proc: str = "/proc") -> set[int]:
+    """PIDs at the other end of the unix sockets ``holder`` has accepted or connected (each one
+    copied with pidfd_getfd and read with SO_PEERCRED); with ``paths``, only the sockets it
+    accepted on one of them. Empty when they cannot be read."""
+    return {pid for pid, _uid in _peers(holder, paths, proc)}
+
+
+def _peers(holder: int, paths: set[str] | None, proc: str) -> set[tuple[int, int]]:
     try:
-        fds = _socket_fds(f"{proc}/{daemon_pid}/fd")
-        pidfd = os.pidfd_open(daemon_pid)
+        fds = _socket_fds(f"{proc}/{holder}/fd")
+        pidfd = os.pidfd_open(holder)
     except OSError:
-        return []
+        return set()
     try:
-        peers = {peer for fd in fds if (peer := _session_peer(pidfd, fd, paths)) is not None}
+        return {peer for fd in fds if (peer := _session_peer(pidfd, fd, paths)) is not None}
     finally:
         os.close(pidfd)
-    return sorted(peer for peer in peers if alive(peer[0], proc))
 
 
 def alive(pid: int, proc: str = "/proc") -> bool:
@@ -181,9 +207,10 @@ def _socket_fds(fd_dir: str) -> list[int]:
     return fds
 
 
-def _session_peer(pidfd: int, fd: int, paths: set[str]) -> tuple[int, int] | None:
-    """(PID, UID) at the other end of the daemon's ``fd`` if it is a connection accepted on one
-    of ``paths``; None for anything else (a listener, another socket, one closed meanwhile)."""
+def _session_peer(pidfd: int, fd: int, paths: set[str] | None) -> tuple[int, int] | None:
+    """(PID, UID) at the other end of the holder's ``fd`` if it is a connected unix socket (with
+    ``paths``: accepted on one of them); None for anything else (a listener, another kind of
+    socket, one closed meanwhile)."""
     dup = ctypes.CDLL(None, use_errno=True).syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
     if dup < 0:
         return None  # closed meanwhile, or no pidfd_getfd (Linux < 5.6)
@@ -191,7 +218,7 @@ def _session_peer(pidfd: int, fd: int, paths: set[str]) -> tuple[int, int] | Non
     try:
         if sock.family != socket.AF_UNIX or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             return None
-        if sock.getsockname() not in paths:  # an accepted socket has its listener's address
+        if paths is not None and sock.getsockname() not in paths:  # an accepted socket has its listener's address
             return None
         pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError:
@@ -210,17 +237,20 @@ def maps_cuda(pid: int, proc: str = "/proc") -> bool:
         return False
 
 
-def mps_client_problem(pid: int, pipe_dir: str, proc: str = "/proc") -> str:
-    """"" if ``pid`` can be shown to be an MPS client of ``pipe_dir``: its environment names
-    that pipe dir (or none, for the default one) and it maps a CUDA driver. Else why not."""
+def mps_client_problem(pid: int, daemon_pid: int, servers: list[int], proc: str = "/proc") -> str:
+    """"" if ``pid`` can be shown to be an MPS client of the daemon ``daemon_pid``: the kernel
+    names it (SO_PEERCRED, which the process cannot rewrite) as the peer of a unix socket the
+    daemon or one of ``servers`` (its MPS servers, as the daemon lists them) holds, and it maps
+    a CUDA driver. Else why not. Its environment is not asked: /proc/PID/environ is the
+    process's own memory, which it can rewrite."""
     try:
-        env = _read(f"{proc}/{pid}/environ")
         maps = _read(f"{proc}/{pid}/maps", MAPS_LIMIT).decode(errors="replace")
     except OSError as exc:
         return f"cannot read its /proc entries ({os.strerror(exc.errno or errno.EIO)})"
-    named = environ_get(env, "CUDA_MPS_PIPE_DIRECTORY")
-    if os.path.normpath(named or DEFAULT_PIPE_DIR) != os.path.normpath(pipe_dir):
-        return f"its CUDA_MPS_PIPE_DIRECTORY is {named!r}, not {pipe_dir!r}"
+    holders = [daemon_pid, *servers]
+    if not any(pid in socket_peers(holder, proc=proc) for holder in holders):
+        names = ", ".join(map(str, servers)) or "none"
+        return f"no socket of the MPS control daemon (pid {daemon_pid}) or its server(s) ({names}) connects to it"
     if not maps_cuda_driver(maps):
         return "it maps no CUDA driver (libcuda.so)"
     return ""

@@ -29,3 +29,4 @@ class Status:
     verdict_age: float = 0.0  # seconds since the last conclusive health check, as of the last one
     multi_user: bool | None = None  # the daemon serves every UID from one server (None: not started yet)
     waiting: tuple[Waiting, ...] = ()  # clients waiting for another UID's server, at the last health check
+    defaults_contested: float = 0.0  # seconds the defaults have been found changed at every health check in a row

@@ -18,19 +18,19 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from . import dirs, drift, independent, multiuser, peer
 from .computemode import ComputeMode
 from .config import Config
-from .control import ConfigureError, Control, apply_defaults, limit_early_servers
+from .control import Control
 from .adoption import AdoptionMixin
 from .daemon import DaemonProcess, quit_daemon
 from .errors import ConfigError, ControlBusy, ControlError, ControlImpostor, ControlTimeout, SetupError
 from .faults import FaultHandler
 from .health import HealthBoard
+from .keeper import Keeper
 from .reload import DEFAULT_KEYS, _early_reloads, hold_reloads, merge_live  # noqa: F401 (hold_reloads: mpsd.cli)
 from .snapshot import Status
 from .units import format_limits
@@ -76,16 +76,15 @@ class Supervisor(AdoptionMixin):
         self._status = Status()
         self._status_lock = threading.Lock()
         self._next_at: float | None = None  # next health check or restart
-        self._applied = config  # the config whose defaults the running daemon has
+        self._defaults = Keeper(config)  # the daemon's defaults, set, read back and put back (never a restart)
         self._silent_checks = (0, 0)  # (daemon pid, health checks in a row it did not answer)
-        self._defaults_stale = False  # a reload could not reach the daemon (busy): retried at health checks
         self._independent = c.daemon_lifecycle == "independent"  # the daemon outlives mpsd (mpsd.independent)
         if self._independent and v3 is not None:  # the holder and a detached start know only v2's command line
             raise SetupError("daemonLifecycle independent is not supported with MPS v3 yet: "
                              "set mps.protocol 2, or daemonLifecycle owned")
         self._adopting = False  # the first health check of an adopted daemon: its defaults are set, not "restored"
         self._said = ""  # the last refusal or wait logged: said once, not at every retry
-        self._faults = FaultHandler(c.health_timeout, is_client=partial(peer.mps_client_problem, pipe_dir=c.pipe_dir))
+        self._faults = FaultHandler(c.health_timeout, is_client=self._mps_client_problem)
         self._verdict_at = time.monotonic()  # the last conclusive health check (or start)
         self._compute = ComputeMode(
             config.nvidia_smi, config.visible_devices.split(",") if config.visible_devices else None
@@ -205,23 +204,28 @@ class Supervisor(AdoptionMixin):
             return self._adopt(self._daemon)
         self._adopting = False
         self._waiting.clear()
+        if isinstance(self._daemon, DaemonProcess):  # its output: who wrote the defaults (mpsd.contest)
+            self._daemon.on_line = self._defaults.new_daemon(self._daemon.pid, self.config.pipe_dir).line
+        else:
+            self._defaults.new_daemon(self._daemon.pid, self.config.pipe_dir)
+        pending = ""
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
             if self.v3 is not None:
                 self.v3.configure(self.config)
             else:
-                apply_defaults(self.control(), self.config)
-                limit_early_servers(self.control(), self.config)
-        except (ControlError, ConfigureError) as exc:
+                pending = self._defaults.start(self.control(), self.config, self._devices())
+        except ControlError as exc:
             daemon, self._daemon = self._daemon, None
             daemon.kill()
             daemon.wait(5.0)
             self._failed(f"daemon pid={daemon.pid} did not come up configured: {exc}")
             return
-        self._applied, self._defaults_stale, self._verdict_at = self.config, False, time.monotonic()
-        self.board.update(daemon_up=True, configured=True, last_error="", unverified="")
-        self._publish(state="running", pid=self._daemon.pid, last_error="")
+        self._verdict_at = time.monotonic()
+        configured = not self._defaults.stale  # else set at the next health check
+        self.board.update(daemon_up=True, configured=configured, last_error=pending, unverified="")
+        self._publish(state="running", pid=self._daemon.pid, last_error=pending, defaults_contested=0.0)
         self._next_at = time.monotonic() + self.config.health_interval
         log.info(
             "daemon configured pid=%d active_thread_percentage=%g pinned_mem_limit=%s client_priority=%s",
@@ -300,10 +304,10 @@ class Supervisor(AdoptionMixin):
         if unreachable:  # a restart makes the daemon create it again
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {unreachable}")
             return
-        devices = set(range(len(self._gpu_indices())))  # the daemon's ordinals (CUDA_VISIBLE_DEVICES renumbers)
+        devices = self._devices()
         try:
             self._refuse_impostor(daemon)
-            defaults = drift.read(control, self._applied, devices)
+            defaults = drift.read(control, self._defaults.applied, devices)
             servers = control.get_server_list()
             states = self._faults.server_states(control, servers)
             self._refuse_impostor(daemon, ("control_privileged",))  # what mpsd read came from its daemon
@@ -327,9 +331,10 @@ class Supervisor(AdoptionMixin):
             return
         self._silent_checks, self._verdict_at = (daemon.pid, 0), time.monotonic()
         latency = time.monotonic() - began
-        pending = self._apply_reloaded_defaults() if self._defaults_stale else self._restore_defaults(defaults, devices)
-        if pending is None:
-            return  # retired
+        if self._defaults.stale:
+            pending = self._apply_reloaded_defaults()
+        else:
+            pending = self._restore_defaults(defaults, devices)
         faulted = [pid for pid, state in states.items() if state == "FAULT"]
         gpus = frozenset(self._gpu_indices()) if faulted else frozenset()
         error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: clients of those servers must exit"
@@ -339,9 +344,13 @@ class Supervisor(AdoptionMixin):
         if action:
             error = f"MPS server(s) {','.join(map(str, faulted))} in FAULT: {action}"
         error = "; ".join(filter(None, [error if faulted else "", pending]))
-        self.board.update(daemon_up=True, configured=True, faulted_gpus=gpus, last_error=error, unverified="")
+        now, contest = time.monotonic(), self._defaults.contest
+        unverified = contest.reason(now, self.config.verdict_timeout)  # defaults changed again and again
+        self.board.update(daemon_up=True, configured=True, faulted_gpus=gpus, last_error=error, unverified=unverified)
         single_uid = self._uid_policy is not None and not self._uid_policy.multi_user
         self._publish(
+            defaults_restored=self._defaults.restored,
+            defaults_contested=contest.age(now),
             waiting=self._waiting.check(daemon.pid, servers) if single_uid else (),
             verdict_age=0.0,
             fault_terminations=dict(self._faults.counts),
@@ -375,26 +384,22 @@ class Supervisor(AdoptionMixin):
             self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
         self._next_at = time.monotonic() + self.config.health_interval
 
-    def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str | None:
-        """Put back defaults changed through ``control``: "" when done (or none), None if retired."""
-        changed = drift.differences(drift.expected(self._applied, devices), got)
+    def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str:
+        """Put back defaults changed through ``control`` (mpsd.keeper: reported, never a restart):
+        "" when none were. An adopted daemon's first round sets the config's defaults where they
+        differ: another config's, or its holder restarted it, not tampering."""
         adopting, self._adopting = self._adopting, False
-        if not changed:
-            return ""
-        try:
-            drift.restore(self.control(), self._applied, devices, got)
-        except ControlBusy as exc:
-            self._adopting = adopting
-            return f"daemon defaults changed ({'; '.join(changed)}), not restored yet: {exc}"
-        except (ControlError, ConfigureError) as exc:
-            self._retire(self._daemon, f"restoring changed defaults failed: {exc}")  # type: ignore[arg-type]
-            return None
-        if adopting:  # another config, or a daemon its holder restarted: not tampering
-            log.info("adopted daemon's defaults set to the config's (it had %s)", "; ".join(changed))
-            return ""
-        log.error("daemon defaults changed behind mpsd (%s): restored to the config's", "; ".join(changed))
-        self._publish(defaults_restored=self.status().defaults_restored + 1)
-        return ""
+        if not adopting:
+            return self._defaults.restore(self.control(), got, devices, self.config.verdict_timeout)
+        message = self._defaults.adopt(self.control(), got, devices)
+        if self._defaults.stale:  # busy: the next round tries again, still as adoption
+            self._defaults.stale, self._adopting = False, True
+        return message
+
+    def _mps_client_problem(self, pid: int, server: int) -> str:
+        """"" if ``pid`` is shown to be a client of ``server`` of the running daemon (mpsd.peer)."""
+        daemon = self._daemon
+        return "no daemon running" if daemon is None else peer.mps_client_problem(pid, daemon.pid, [server])
 
     def _retire(self, daemon: DaemonProcess | independent.AdoptedDaemon, message: str) -> None:
         """Kill a daemon that is hung or broken; its exit event then schedules the restart."""
@@ -426,30 +431,34 @@ class Supervisor(AdoptionMixin):
         self._publish(config_generation=self.status().config_generation + 1)
         log.info("reloaded applied=%s deferred=%s", ",".join(sorted(live)) or "-", ",".join(later) or "-")
         if live & DEFAULT_KEYS and self._daemon is not None:
-            self._defaults_stale = True
             self._apply_reloaded_defaults()
 
-    def _apply_reloaded_defaults(self) -> str | None:
+    def _apply_reloaded_defaults(self) -> str:
         """Bring the running daemon's defaults to self.config: "" when done, the reason when
-        the daemon was busy (tried again at the next health check), None if it was retired."""
-        assert self._daemon is not None
-        try:
-            if self.v3 is not None:
+        the daemon did not take them (tried again at the next health check)."""
+        if self.v3 is not None:
+            try:
                 self.v3.apply_defaults(self.config)
-            else:
-                apply_defaults(self.control(), self.config, previous=self._applied)
-        except ControlBusy as exc:
-            message = f"new defaults not applied yet, trying again at the next health check: {exc}"
-            log.error("%s", message)
+                self._defaults.applied, self._defaults.stale = self.config, False
+                return ""
+            except ControlError as exc:
+                self._defaults.stale = True
+                message = f"new defaults not applied yet, trying again at the next health check: {exc}"
+                log.error("%s", message)
+                self.board.update(last_error=message)
+                self._publish(last_error=message)
+                return message
+        message = self._defaults.reload(self.control(), self.config, self._devices())
+        if self._defaults.stale:
             self.board.update(last_error=message)
             self._publish(last_error=message)
-            return message
-        except (ControlError, ConfigureError) as exc:
-            self._retire(self._daemon, f"re-applying defaults after reload failed: {exc}")
-            return None
-        self._applied, self._defaults_stale = self.config, False
-        log.info("new defaults applied: they reach servers started from now on")
-        return ""
+        else:
+            self.board.update(configured=True)
+        return message
+
+    def _devices(self) -> set[int]:
+        """The daemon's device ordinals (CUDA_VISIBLE_DEVICES renumbers them 0..n-1)."""
+        return set(range(len(self._gpu_indices())))
 
     def _shutdown(self) -> None:
         self._publish(state="stopping")

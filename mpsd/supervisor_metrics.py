@@ -94,6 +94,11 @@ class SupervisorMetrics(Families):
             "Seconds since the last conclusive health check (grows while a held control session blinds it)",
             registry=r,
         )
+        self.defaults_contested = Gauge(
+            "mpsd_defaults_contested_seconds",
+            "Seconds the daemon's defaults have been found changed (and put back) at every health check in a row",
+            registry=r,
+        )
         self._control_seen = (0, 0)  # (impostors, defaults restored) of the previous snapshot
         self.multi_user = Gauge(
             "mpsd_mps_multi_user",
@@ -200,7 +205,9 @@ class SupervisorMetrics(Families):
         self.set_mps_servers({"all": servers} if isinstance(servers, int) else servers)
         self.set_config_generation(config_generation)
 
-    def set_control_plane(self, impostors: int, defaults_restored: int, verdict_age: float) -> None:
+    def set_control_plane(
+        self, impostors: int, defaults_restored: int, verdict_age: float, defaults_contested: float = 0.0
+    ) -> None:
         """Running totals from the supervisor: the counters advance by the difference."""
         with self._lock:
             seen_impostors, seen_restored = self._control_seen
@@ -210,6 +217,7 @@ class SupervisorMetrics(Families):
         if defaults_restored > seen_restored:
             self.defaults_restored.inc(defaults_restored - seen_restored)
         self.verdict_age.set(verdict_age)
+        self.defaults_contested.set(defaults_contested)
 
     def set_uid_sharing(self, multi_user: bool | None, waiting: int) -> None:
         """How the daemon shares a GPU between UIDs (mpsd.multiuser); multi_user None: not known yet."""

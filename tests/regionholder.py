@@ -30,11 +30,8 @@ def build_holder(out_dir: Path) -> Path:
     """region_holder.c built against the region core (however csrc/ splits it) into OUT_DIR."""
     exe = out_dir / "region_holder"
     sources = [REPO / "tests/e2e/region_holder.c", *sorted((REPO / "csrc").glob("region*.c"))]
-    subprocess.run(
-        ["cc", "-std=gnu11", "-O2", "-D_GNU_SOURCE", "-I", str(REPO / "csrc"), *map(str, sources), "-o", str(exe)]
-        + ["-lpthread"],
-        check=True,
-    )
+    flags = ["-std=gnu11", "-O2", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc")]
+    subprocess.run(["cc", *flags, *map(str, sources), "-o", str(exe), "-lpthread"], check=True)
     return exe
 
 

@@ -58,7 +58,6 @@ def container_env(plan: Plan, pipe_dir: str, client_priority: int | None = None)
         client_priority=client_priority,
     )
     env["NVIDIA_VISIBLE_DEVICES"] = plan.visible_devices
-    env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
     return env
 
 

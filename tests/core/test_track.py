@@ -240,6 +240,7 @@ def track_tsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     csrc = HERE.parent.parent / "csrc"
     subprocess.run(
         ["cc", "-std=gnu11", "-D_GNU_SOURCE", "-g", "-O1", "-fsanitize=thread", "-pthread", f"-I{csrc}"]
+        + ["-Wall", "-Wextra", "-Werror"]
         + [str(HERE / "track_test.c"), str(csrc / "track.c"), str(csrc / "track_refs.c"), "-o", str(exe)],
         check=True,
     )

@@ -44,6 +44,8 @@ LOOSENED = [
     ("MpsdHealthVerdictStale", "for", "5m", "0m"),
     ("MpsdHealthVerdictStale", "expr", " and mpsd_daemon_up == 1", ""),
     ("MpsdDefaultsRestored", "expr", "> 0", ">= 0"),
+    ("MpsdDefaultsContested", "for", "5m", "0m"),
+    ("MpsdDefaultsContested", "expr", "> 60", ">= 0"),
     ("MpsdControlImpostor", "expr", "> 0", ">= 0"),
     ("MpsdAllocationNearLimit", "for", "15m", "0m"),
     ("MpsdAllocationNearLimit", "expr", "(mpsd_allocation_memory_limit_bytes > 0)",

@@ -36,6 +36,8 @@ def test_the_spec_gives_limits_shim_region_and_a_read_only_pipe_dir():
     assert env["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so"
     assert env["MPSSHIM_REGION"] == "/run/mpsd/region"
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpus(80)[0].uuid
+    # the claim's containers share one cap: frameworks allocate on demand (issue 21, defect 8)
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     mounts = {m["containerPath"]: m for m in device["containerEdits"]["mounts"]}
     assert mounts["/run/mps/pipe"]["hostPath"] == "/run/mps/pipe" and "ro" in mounts["/run/mps/pipe"]["options"]
     assert mounts["/run/mpsd"]["hostPath"].endswith("claim-uid-1-0123456789ab")

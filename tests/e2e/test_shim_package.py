@@ -48,7 +48,8 @@ def test_cdef_layout_matches_the_c_compiler(tmp_path):
 
     exe = tmp_path / "layout"
     subprocess.run(
-        ["cc", "-std=gnu11", "-I", str(REPO / "csrc"), str(REPO / "tests/e2e/snapshot_layout.c"), "-o", str(exe)],
+        ["cc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc")]
+        + [str(REPO / "tests/e2e/snapshot_layout.c"), "-o", str(exe)],
         check=True,
     )
     c = dict(line.rsplit(" ", 1) for line in subprocess.run([exe], check=True, capture_output=True, text=True).stdout.splitlines())

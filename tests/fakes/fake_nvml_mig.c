@@ -149,7 +149,7 @@ static void refresh(void)
     memset(g_next, 0, sizeof(g_next));
     g_target = &g_next;
     while (problem == NULL && fgets(line, sizeof(line), f) != NULL) {
-        char *w[16], *save = NULL, *tok, *hash;
+        char *w[16] = {0}, *save = NULL, *tok, *hash;
         int n = 0;
         lineno++;
         if ((hash = strchr(line, '#')) != NULL)

@@ -72,3 +72,32 @@ def test_cupy_async_pool_is_capped(python_with, shim_lib, tmp_path):
     python = python_with("cupy", "import cupy; cupy.cuda.runtime.getDeviceCount()")
     out = _run(python, CUPY_ASYNC, _env(shim_lib, tmp_path / "region", "0=2G"))
     assert out.returncode == 3, out.stdout + out.stderr
+
+
+JAX_HOLD = textwrap.dedent(
+    """
+    import sys, jax.numpy as jnp
+    x = jnp.ones((int(sys.argv[1]) << 18,), dtype=jnp.float32); x.block_until_ready()  # argv[1] MiB
+    print("held", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_two_jax_processes_share_a_cap_with_mpsds_variables(python_with, shim_lib, tmp_path, record):
+    """Two JAX processes in one 4 GiB region with the variables every face gives (mpsd.frameworks):
+    1 GiB and 2 GiB both fit; JAX's default would have preallocated 3 GiB in the first."""
+    from mpsd.frameworks import framework_env
+
+    python = python_with("jax", "import jax; assert jax.devices()[0].platform == 'gpu'")
+    env = _env(shim_lib, tmp_path / "region", "0=4G", **framework_env())
+    first = subprocess.Popen([python, "-c", JAX_HOLD, "1024"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held", first.stderr.read()[-500:]
+        second = subprocess.run([python, "-c", JAX_HOLD, "2048"], env=env, input="\n", capture_output=True,
+                                text=True, timeout=300)
+        record(second_rc=second.returncode, second_out=second.stdout.strip(), second_err=second.stderr.strip()[-500:])
+        assert second.returncode == 0 and "held" in second.stdout, second.stderr[-500:]
+    finally:
+        first.communicate("\n", timeout=120)

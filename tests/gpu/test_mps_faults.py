@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from mpsd import peer
 from mpsd.control import Control
 from mpsd.errors import ControlError
 from tests.gpu.conftest import MPSD, clean_env, mps_processes
@@ -163,6 +164,9 @@ def test_a_gpu_fault_in_one_client(node, torch_python, python_with, record):
         bystander.wait_beat()
         control = Control(node["control"], str(node["pipe"]), timeout=10)
         [server] = control.get_server_list()
+        [daemon] = _control_pids(node["pipe"])
+        # faultPolicy's proof of an MPS client (mpsd.peer): connected to the daemon or its server
+        proofs = {pid: peer.mps_client_problem(pid, daemon, [server]) for pid in control.get_client_list(server)}
         faulted_at = time.monotonic()
         fault = subprocess.run(
             [*MPSD, "exec", *node["common"], "--", torch_python, "-c", FAULT],
@@ -194,6 +198,8 @@ def test_a_gpu_fault_in_one_client(node, torch_python, python_with, record):
         status_after=status,
         mpsd_log_fault=[ln for ln in mpsd_log if "FAULT" in ln or "fault" in ln][-10:],
         new_client_attempts=attempts,
+        client_proofs=proofs,
     )
+    assert proofs and all(problem == "" for problem in proofs.values()), proofs
     assert fault.returncode != 0 and "no fault" not in fault.stdout, fault.stdout + fault.stderr
     assert attempts[-1]["rc"] == 0, f"no new client was served after the faulted ones were gone: {attempts}"

@@ -36,7 +36,9 @@ def test_container_env(devices, expected):
         "CUDA_MPS_PIPE_DIRECTORY": "/run/mps",
         "LD_PRELOAD": "/run/mpsd-shim/libmpsshim.so",
         "MPSSHIM_REGION": "/run/mpsd/region",
+        # the container's processes share one cap: frameworks allocate on demand (issue 21, defect 8)
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
     }
 
 

@@ -201,9 +201,23 @@ def test_exec_with_region_and_limits_by_device(tmp_path):
 
 
 def test_exec_without_shim_and_exit_code(tmp_path):
-    result = mpsd("exec", "--no-shim", f"--state-dir={tmp_path}", "--", "sh", "-c", 'echo "[$LD_PRELOAD]"; exit 7')
+    cmd = 'echo "[$LD_PRELOAD][$XLA_PYTHON_CLIENT_PREALLOCATE][$TF_FORCE_GPU_ALLOW_GROWTH]"; exit 7'
+    result = mpsd("exec", "--no-shim", f"--state-dir={tmp_path}", "--", "sh", "-c", cmd)
     assert result.returncode == 7
-    assert result.stdout.strip() == "[]"
+    assert result.stdout.strip() == "[][][]"  # no shared cap: nothing to say to frameworks
+
+
+def test_exec_tells_frameworks_to_allocate_on_demand_unless_the_user_said_otherwise(tmp_path):
+    # the processes of an exec (and other execs of its --region) share one cap (issue 21, defect 8)
+    ours = ("XLA_PYTHON_CLIENT_PREALLOCATE", "TF_FORCE_GPU_ALLOW_GROWTH")
+    clean = {k: v for k, v in os.environ.items() if k not in ours}
+    result = subprocess.run([sys.executable, "-m", "mpsd", "exec", f"--state-dir={tmp_path}", "--", "env"],
+                            capture_output=True, text=True, env=clean, cwd=REPO, timeout=120)
+    env = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    result = mpsd("exec", f"--state-dir={tmp_path}", "--", "env", env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+    env = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true" and env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
 
 
 @pytest.mark.parametrize(
