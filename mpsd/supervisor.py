@@ -153,8 +153,8 @@ class Supervisor(AdoptionMixin):
         """multiUser against the binary (mpsd.multiuser): SetupError for ``on`` without support."""
         c = self.config
         self._uid_policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
-        level = logging.INFO if self._uid_policy.multi_user or c.multi_user == "off" else logging.WARNING
-        log.log(level, "%s", multiuser.describe_policy(self._uid_policy))
+        # info: a client that does wait for another UID's server is warned about when it happens
+        log.info("%s", multiuser.describe_policy(self._uid_policy))
         self._publish(multi_user=self._uid_policy.multi_user)
 
     def _dispatch(self, event: tuple) -> None:

@@ -60,7 +60,7 @@ get() { "$py" -c "import sys, urllib.request; print(urllib.request.urlopen(sys.a
     "http://127.0.0.1:$port/$1" 2>/dev/null; }
 ready=$(for _ in $(seq 1 100); do get readyz && break; sleep 0.2; done)
 section "mpsd run supervises the control daemon; /readyz: ${ready:-not ready}"
-"${mpsd[@]}" status "${common[@]}" --pinned-mem-limit 0=8G "${nvml[@]}"
+"${mpsd[@]}" status "${common[@]}" --active-thread-percentage 50 --pinned-mem-limit 0=8G "${nvml[@]}"
 
 region=$work/state/exec/demo/region
 mkdir -p "$(dirname "$region")"
@@ -80,7 +80,7 @@ echo "(B exited $rc: its allocation would pass the slice's cap)"
 
 if [ "$simulated" = 0 ]; then
     section "mpsd status while client A holds its 3 GiB"
-    "${mpsd[@]}" status "${common[@]}" --pinned-mem-limit 0=8G || true
+    "${mpsd[@]}" status "${common[@]}" --active-thread-percentage 50 --pinned-mem-limit 0=8G || true
 fi
 
 section "python -m shim usage $region"

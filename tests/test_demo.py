@@ -44,7 +44,8 @@ def demo(shim_lib: Path) -> str:
 def test_the_demo_says_it_is_a_simulation(demo: str) -> None:
     assert demo.startswith("=== SIMULATION: no NVIDIA GPU here.")
     assert "gpu 0: Simulated GPU" in demo
-    assert "daemon: up" in demo and "servers: none\nclients: none\n" in demo
+    assert "daemon: up" in demo and "\nservers: none\n" in demo and "\nclients: none\n" in demo
+    assert "defaults NOT as configured" not in demo  # status is asked with the run's defaults
 
 
 def test_the_first_client_sees_the_slice_and_holds_3_gib(demo: str) -> None:

@@ -34,6 +34,9 @@ def test_client_env_full_slice():
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G",
         "LD_PRELOAD": "/opt/libmpsshim.so",
         "MPSSHIM_REGION": "/run/mpsd/region",
+        # processes sharing a region's cap: frameworks allocate on demand (mpsd/frameworks.py)
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
     }
 
 
