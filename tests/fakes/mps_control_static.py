@@ -65,7 +65,11 @@ class Daemon:
                 self.defaults["client_priority"] = args[0]
                 return ""
             if name == "set_default_device_pinned_mem_limit" and len(args) == 2:
-                self.limits[args[0]] = args[1]
+                # 0 unsets it: the real 535 daemon then answers the get with nothing (tried)
+                if args[1] == "0":
+                    self.limits.pop(args[0], None)
+                else:
+                    self.limits[args[0]] = args[1]
                 return ""
             if name == "get_default_device_pinned_mem_limit" and args:
                 return self.limits.get(args[0], "")
