@@ -38,6 +38,15 @@ LOCK_FILE = "mpsd.lock"
 LOCK_PID_WAIT = 1.0  # seconds a refused mpsd waits for the holder to write its PID
 
 
+class PipeDirHeld(SetupError):
+    """Another process (an ``mpsd run``, or ``mpsd stop-daemon`` while it works) holds the pipe
+    dir's ``mpsd.lock``; ``pid`` is the one it wrote there (None when it wrote none in time)."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 def prepare(pipe_dir: str, log_dir: str) -> None:
     """Make both directories ready for a new daemon; SetupError (one line) when it cannot."""
     pipe = _absolute(pipe_dir, "pipe dir")
@@ -228,9 +237,11 @@ def hold_pipe_dir(pipe_dir: str) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SetupError(
-                f"pipe dir {pipe}: another mpsd run (pid {_holder(fd)}) holds {path}; "
-                "stop it or give this one another pipeDir"
+            holder = _holder(fd)
+            raise PipeDirHeld(
+                f"pipe dir {pipe}: another mpsd run (pid {holder}) holds {path}; "
+                "stop it or give this one another pipeDir",
+                int(holder) if is_decimal(holder) else None,
             ) from None
         except OSError as exc:
             raise SetupError(f"pipe dir {pipe}: cannot lock {path}: {exc.strerror}") from exc

@@ -16,6 +16,7 @@ from . import dirs
 from .errors import InventoryError, MpsdError
 from .exec_regions import ExecRegions
 from .health import HealthBoard
+from .standby import Standby
 from .supervisor import Status, Supervisor
 
 log = logging.getLogger(__name__)
@@ -152,17 +153,27 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
 def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start,
     SetupError at once when another ``mpsd run`` holds the pipe dir: its lock is taken before
-    anything else touches the pipe dir, and kept until the daemon is gone."""
+    anything else touches the pipe dir, and kept until the daemon is gone. As an instance of
+    a rollout (independent lifecycle, ``POD_UID``), it stands by for the lock instead
+    (mpsd/standby.py)."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger().setLevel(config.log_level.upper())
-    lock = dirs.hold_pipe_dir(config.pipe_dir)
+    standby = None
     try:
-        return _serve(config, reload)
+        lock: int | None = dirs.hold_pipe_dir(config.pipe_dir)
+    except dirs.PipeDirHeld as held:
+        standby, lock = Standby.instead_of(config, held), None
+    try:
+        return _serve(config, reload, standby)
     finally:
-        dirs.release_pipe_dir(lock)
+        for fd in (lock, standby.fd if standby is not None else None):
+            if fd is not None:
+                dirs.release_pipe_dir(fd)
+        if standby is not None:
+            standby.close()
 
 
-def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
+def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby: Standby | None = None) -> int:
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
     board = HealthBoard()
     inventory = open_inventory(config)
@@ -184,11 +195,16 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         on_status=_observer(metrics, pump),
         v3=v3,
     )
-    supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
+    if standby is None:
+        supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
+    else:  # its own handlers are in since the lock was found held; the supervisor's come with the lock
+        standby.attach(board, metrics, pump.request)
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
     dra: PluginRun | None = None
     if metrics is not None:
-        live = supervisor.loop_alive.is_set
+        def live() -> bool:  # the supervisor's loop runs, or this mpsd stands by for it
+            return supervisor.loop_alive.is_set() or (standby is not None and standby.waiting)
+
         server = serve(config.metrics_address, metrics, live=live, ready=lambda: _ready(board, plugin, dra))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
     stop_plugin = threading.Event()
@@ -198,6 +214,8 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     if v3 is not None:
         v3.start_background()
     try:
+        if standby is not None and not standby.take_over(supervisor.install_signal_handlers):
+            return 0
         return supervisor.run()
     finally:
         if v3 is not None:

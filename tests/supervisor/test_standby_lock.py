@@ -1,0 +1,133 @@
+"""mpsd/standby.py's wait for the pipe dir's lock against a real holder process: whenever the
+holder goes (SIGTERM, SIGKILL, between two tries or during one), the standby takes the lock;
+stopped first, it takes nothing. Which mpsd may stand by at all. No daemon needed."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mpsd import config as cfg
+from mpsd import dirs
+from mpsd.errors import PluginError
+from mpsd.health import HealthBoard
+from mpsd.standby import Standby, instance_of
+
+REPO = Path(__file__).resolve().parents[2]
+UID = "7c1e2d3f-4a5b-4c6d-9e8f-1a2b3c4d5e6f"
+HOLD = "import sys, time; from mpsd import dirs; dirs.hold_pipe_dir(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+
+
+@pytest.fixture
+def pipe(tmp_path) -> Path:
+    return tmp_path / "pipe"
+
+
+def config(pipe: Path, **extra: str) -> cfg.Config:
+    return cfg.load(None, {}, {"pipe-dir": str(pipe), "log-dir": str(pipe.parent / "log"),
+                               "daemon-lifecycle": "independent", "health-interval": "0.2s", **extra})
+
+
+def holder(pipe: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(pipe)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def standby_for(pipe: Path, poll: float = 0.2) -> Standby:
+    with pytest.raises(dirs.PipeDirHeld) as held:
+        dirs.hold_pipe_dir(str(pipe))
+    return Standby(config(pipe), held.value, UID, poll=poll)
+
+
+class Waiting:
+    def __init__(self, standby: Standby) -> None:
+        self.standby, self.result = standby, []
+        self.thread = threading.Thread(target=lambda: self.result.append(standby.wait()), daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 30.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the standby did not end"
+        return self.result[0]
+
+
+def test_the_lock_is_taken_whenever_its_holder_goes(pipe):
+    rng = random.Random(19)
+    for round_ in range(12):
+        proc = holder(pipe)
+        standby = standby_for(pipe)
+        try:
+            waiting = Waiting(standby)
+            time.sleep(rng.uniform(0, 0.5))  # before, between or during the standby's tries
+            proc.send_signal(signal.SIGKILL if round_ % 2 else signal.SIGTERM)
+            proc.wait(30)
+            fd = waiting.join()
+            assert fd is not None and fd == standby.fd, f"round {round_}"
+            with pytest.raises(dirs.PipeDirHeld) as again:  # held now: by this process
+                dirs.hold_pipe_dir(str(pipe))
+            assert again.value.pid == os.getpid()
+            dirs.release_pipe_dir(fd)
+        finally:
+            standby.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_stop_while_standing_by_takes_nothing(pipe):
+    proc = holder(pipe)
+    standby = standby_for(pipe, poll=5.0)  # a stop does not wait for the next try
+    try:
+        waiting = Waiting(standby)
+        time.sleep(0.3)
+        began = time.monotonic()
+        standby.stop()
+        assert waiting.join() is None and standby.fd is None
+        assert time.monotonic() - began < 4.0
+        with pytest.raises(dirs.PipeDirHeld) as held:
+            dirs.hold_pipe_dir(str(pipe))
+        assert held.value.pid == proc.pid
+    finally:
+        standby.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_the_board_says_what_it_stands_by_for(pipe):
+    proc = holder(pipe)
+    standby = standby_for(pipe)
+    try:
+        board = HealthBoard()
+        standby.attach(board)
+        state = board.current()
+        assert not state.daemon_up and not state.configured
+        assert state.last_error.startswith(f"standing by for mpsd run pid {proc.pid} ")
+        assert state.last_error.endswith(f": no control daemon on pipe dir {pipe}")
+    finally:
+        standby.close()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("lifecycle, environ, expected", [
+    ("independent", {"POD_UID": UID}, UID),
+    ("independent", {}, ""),
+    ("independent", {"POD_UID": ""}, ""),
+    ("owned", {"POD_UID": UID}, ""),
+])
+def test_who_may_stand_by(pipe, lifecycle, environ, expected):
+    assert instance_of(config(pipe, **{"daemon-lifecycle": lifecycle}), environ) == expected
+
+
+def test_a_malformed_pod_uid_is_refused(pipe):
+    with pytest.raises(PluginError, match=r"^bad POD_UID '\.\./x': expected a pod UID"):
+        instance_of(config(pipe), {"POD_UID": "../x"})
