@@ -232,10 +232,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby:
 
 
 class PluginRun:
-    """The device plugin's (or the DRA plugin's) thread, and why it is not serving if so ("" while it serves)."""
+    """The device plugin's (or the DRA plugin's) thread, whether it serves yet (``started``,
+    set by its runner once its sockets are served), and why it is not serving if so ("" while
+    it serves or starts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "plugin") -> None:
+        self.label = label
         self.thread: threading.Thread | None = None
+        self.started = threading.Event()
         self.problem = ""
 
 
@@ -247,6 +251,8 @@ def _ready(board: HealthBoard, *plugins: PluginRun | None) -> tuple[bool, str]:
     for plugin in plugins:
         if plugin is not None and plugin.problem:
             return False, plugin.problem
+        if plugin is not None and plugin.thread is not None and not plugin.started.is_set():
+            return False, f"{plugin.label} starting"
     if state.daemon_up and state.configured:
         return (False, state.unverified) if state.unverified else (True, "")
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
@@ -322,9 +328,10 @@ def _start_service(
     label: str, load: Callable[[], Callable], config: cfg.Config, board: HealthBoard, metrics, gpus,
     stop: threading.Event, **extra,
 ) -> PluginRun:
-    """Run ``load()(config, pipe_dir=..., gpus=..., ...)`` in a thread until ``stop``; a failure
-    to start or a stop nobody asked for is the run's ``problem`` (and the board's last error)."""
-    plugin = PluginRun()
+    """Run ``load()(config, pipe_dir=..., gpus=..., started=..., ...)`` in a thread until ``stop``;
+    the runner sets ``started`` once it serves; a failure to start or a stop nobody asked for is
+    the run's ``problem`` (and the board's last error)."""
+    plugin = PluginRun(label)
     try:
         runner = load()
     except ImportError as exc:
@@ -351,6 +358,7 @@ def _start_service(
                 shim_library=shim_library,
                 stop=stop,
                 state_dir=config.state_dir,
+                started=plugin.started,
                 **extra,
             )
         except MpsdError as exc:

@@ -211,9 +211,12 @@ class DevicePlugin:
         self.store.close()
         log.info("device plugin stopped resource=%s", self.resource_name)
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, started: threading.Event | None = None) -> None:
+        """Serve until ``stop``; ``started`` is set once the socket is served."""
         try:
             self.start()
+            if started is not None:
+                started.set()
             stop.wait()
         finally:
             self.stop()  # also after a failed start: nothing is left serving
@@ -316,8 +319,10 @@ def run_plugin(
     stop: threading.Event,
     state_dir: str | None = None,
     backend: Backend | None = None,
+    started: threading.Event | None = None,
 ) -> None:
-    """Serve the device plugin until ``stop`` is set (see the module docstring)."""
+    """Serve the device plugin until ``stop`` is set (see the module docstring); ``started`` is
+    set once it serves (mpsd run's /readyz waits for it)."""
     dp = getattr(config, "device_plugin", config)
     if state_dir is None:
         state_dir = getattr(config, "state_dir", None) or os.path.dirname(os.path.abspath(dp.region_dir))
@@ -347,7 +352,7 @@ def run_plugin(
     if getattr(dp, "memory_limit", "") and plugin.backend.burst_problem():
         raise PluginError(f"devicePlugin.memoryLimit {dp.memory_limit} cannot be enforced on this node: "
                           f"{plugin.backend.burst_problem()}")
-    plugin.run(stop)
+    plugin.run(stop, started)
 
 
 def _log_bound(regionfs, label: str, path: str, args: str, example: str) -> None:

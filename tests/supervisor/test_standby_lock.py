@@ -131,3 +131,50 @@ def test_who_may_stand_by(pipe, lifecycle, environ, expected):
 def test_a_malformed_pod_uid_is_refused(pipe):
     with pytest.raises(PluginError, match=r"^bad POD_UID '\.\./x': expected a pod UID"):
         instance_of(config(pipe), {"POD_UID": "../x"})
+
+
+def test_readyz_waits_for_a_face_to_serve_not_only_for_it_not_to_have_failed(tmp_path, monkeypatch):
+    """A standby is ready "while its faces serve": a face whose thread runs but whose sockets
+    are not served yet (the DRA plugin reads its state and the API server first) is not ready."""
+    import mpsd.plugin
+    from mpsd.dra import service
+    from mpsd.node import _ready, _start_dra, _start_plugin
+
+    library = tmp_path / "libmpsshim.so"
+    library.write_bytes(b"\x7fELF")
+    config = cfg.load(None, {}, {"device-plugin": "true", "dra": "true", "shim-library": str(library)})
+    board = HealthBoard()
+    board.update(daemon_up=True, configured=True)
+    go = {"device plugin": threading.Event(), "DRA plugin": threading.Event()}
+
+    def runner(label: str):
+        def run(config, *, stop, started=None, **kwargs):
+            go[label].wait(30)
+            assert started is not None
+            started.set()
+            stop.wait()
+
+        return run
+
+    monkeypatch.setattr(mpsd.plugin, "run_plugin", runner("device plugin"))
+    monkeypatch.setattr(service, "run_dra", runner("DRA plugin"))
+    stop = threading.Event()
+    faces = [_start_plugin(config, board, None, list, stop), _start_dra(config, board, None, list, stop)]
+    try:
+        assert _ready(board, *faces) == (False, "device plugin starting")
+        go["device plugin"].set()
+        wait = time.monotonic() + 30
+        while _ready(board, *faces)[1] == "device plugin starting" and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert _ready(board, *faces) == (False, "DRA plugin starting")
+        go["DRA plugin"].set()
+        while not _ready(board, *faces)[0] and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert _ready(board, *faces) == (True, "")
+    finally:
+        for event in go.values():
+            event.set()
+        stop.set()
+        for face in faces:
+            assert face.thread is not None
+            face.thread.join(30)
