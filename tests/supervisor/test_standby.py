@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from tests.rollout import Node, free_port, http_get, read, stop, wait_until
 
 pytestmark = pytest.mark.mps_binary
 G = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
 OLD, NEW = "0b5d9a62-1f2e-4c3d-8e9f-0a1b2c3d4e5f", "7c1e2d3f-4a5b-4c6d-9e8f-1a2b3c4d5e6f"
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ mpsd\.")
 
@@ -64,9 +68,12 @@ def test_a_surged_mpsd_stands_by_ready_and_adopts_the_daemon_when_the_old_one_go
     assert f"another mpsd run (mpsd run pid {old.pid} " in lines and f"standing by as instance {NEW}" in lines
     assert f"standing by: the control daemon pid={daemon} is genuine, supervised by mpsd run pid {old.pid}" in lines
     assert "adopted" not in lines
+    new.send_signal(signal.SIGHUP)  # a reload asked while standing by is done once supervising
+    time.sleep(0.3)
 
     assert stop(old, sig) == (0 if sig == signal.SIGTERM else -9), read(old)
     wait_until(lambda: f"adopted the running control daemon pid={daemon}" in read(new), "the adoption")
+    wait_until(lambda: "SIGHUP received while starting: reloading once started" in read(new), "the reload")
     assert node.daemon_pid() == daemon and node.quits() == 0
     assert node.metric("mpsd_standby", port) == {"": 0.0}
     assert wait_until(lambda: node.ready(port), "ready as the supervisor")
@@ -94,6 +101,31 @@ def test_sigterm_while_standing_by_exits_0_and_touches_nothing(node):
     assert node.daemon_pid() == daemon and old.poll() is None and node.ready()
     assert settled_commands(node) == commands
     assert (node.pipe / "mpsd.lock").read_text().strip() == str(old.pid)  # the old one's still
+
+
+def test_a_standby_acts_on_nothing_an_impostor_serves(node, procs):
+    """Sockets renamed over the daemon's while standing by: the standby is not ready and says
+    why, sends nothing and signals no one (neither the genuine daemon behind the impostor, as a
+    supervisor would, nor the impostor or the 'client' it names). Only the supervisor acts."""
+    node.spawn("holder")
+    daemon = wait_until(node.daemon_pid, "the holder's daemon")
+    old, _ = node.start_timed(pod(OLD), **{"health-interval": "60m"})
+    commands = settled_commands(node)
+    port = free_port()
+    new, _ = node.start_timed(pod(NEW), port=port)
+    victim = subprocess.Popen(["sleep", "600"])
+    procs.append(victim)
+    impostor = subprocess.Popen([sys.executable, "-m", "tests.impostor", str(node.pipe), str(victim.pid)],
+                                cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    procs.append(impostor)
+    assert impostor.stdout is not None and impostor.stdout.readline().strip() == "listening"
+    status, body = wait_until(lambda: (r := http_get(port, "/readyz"))[0] == 503 and r, "the standby not ready")
+    assert body.startswith(f"standing by for mpsd run pid {old.pid} ") and f"pid {impostor.pid}" in body, body
+    time.sleep(1.5)  # three more looks
+    assert node.daemon_pid() == daemon and victim.poll() is None and impostor.poll() is None
+    assert old.poll() is None and new.poll() is None
+    assert settled_commands(node) == commands
+    assert node.metric("mpsd_control_impostors_total", port) == {"": 0.0}  # the supervisor's to count
 
 
 def test_the_standbys_readiness_follows_the_daemon_it_proves(node):

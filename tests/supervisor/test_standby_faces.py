@@ -216,3 +216,38 @@ def test_a_device_plugin_surge_rollout_keeps_allocating_and_adopts_the_daemon(su
         assert stop(new) == 0 and node.daemon_pid() == daemon
     finally:
         manager.stop()
+
+
+def test_sigterm_to_a_standby_leaves_the_daemon_and_every_claim_to_the_old_instance(surge, apiserver):  # noqa: F811
+    """The rollout undone (the new pod deleted while it stands by): it deregisters its own
+    plugin instance and exits 0; what it prepared stays prepared, the old instance unprepares
+    it; no slice deleted, the daemon untouched."""
+    node = surge.node
+    surge.faces["dra"] = "true"
+    kubelet = PluginWatcher(surge.faces["dra-registry-dir"], wiping_delay=1.0).start()
+    try:
+        old, _ = surge.start(OLD)
+        (old_plugin,) = kubelet.wait_registered(DRIVER, 1)
+        daemon = node.daemon_pid()
+        assert wait_until(lambda: len(apiserver.pool_slices(DRIVER, NODE)) == 2, "the node's slices")
+        refs = [("ns", f"c{n}", f"uid-{n}") for n in range(2)]
+        for n, ref in enumerate(refs):
+            apiserver.put_claim(claim(uid=ref[2], name=ref[1], results=[result(device=f"gpu-{n}", memory="1Gi")]))
+        assert kubelet.prepare(DRIVER, refs[0]).claims[refs[0][2]].error == ""  # by the old instance
+        new, _ = surge.start(NEW, free_port())
+        _, new_plugin = kubelet.wait_registered(DRIVER, 2)
+        assert kubelet.prepare(DRIVER, refs[1]).claims[refs[1][2]].error == ""  # by the standby
+        assert kubelet.calls[-1].endpoint == new_plugin.endpoint
+        assert stop(new) == 0, read(new)
+        assert "stopped while standing by" in read(new)
+        assert kubelet.wait_registered(DRIVER, 1) == [old_plugin]
+        cdi = surge.faces["dra-cdi-dir"]
+        assert sorted(os.listdir(cdi)) == sorted(f"mpsd.io-claim_{u}.json" for _, _, u in refs)
+        for ref in refs:
+            assert kubelet.unprepare(DRIVER, ref).claims[ref[2]].error == ""
+        assert os.listdir(cdi) == []
+        time.sleep(1.5)
+        assert kubelet.wiped == [] and not [u for m, u in apiserver.writes() if m == "DELETE"]
+        assert node.daemon_pid() == daemon and node.quits() == 0 and old.poll() is None
+    finally:
+        kubelet.stop()
