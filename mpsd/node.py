@@ -153,27 +153,36 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
 def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start,
     SetupError at once when another ``mpsd run`` holds the pipe dir: its lock is taken before
-    anything else touches the pipe dir, and kept until the daemon is gone. As an instance of
-    a rollout (independent lifecycle, ``POD_UID``), it stands by for the lock instead
+    anything else touches the pipe dir, and kept until the daemon is gone or let go (its
+    supervision over: a standby may take over while the kubelet faces stop). As an instance
+    of a rollout (independent lifecycle, ``POD_UID``), it stands by for the lock instead
     (mpsd/standby.py)."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger().setLevel(config.log_level.upper())
     standby = None
+    locks: list[int] = []
     try:
-        lock: int | None = dirs.hold_pipe_dir(config.pipe_dir)
+        locks.append(dirs.hold_pipe_dir(config.pipe_dir))
     except dirs.PipeDirHeld as held:
-        standby, lock = Standby.instead_of(config, held), None
+        standby = Standby.instead_of(config, held)
+
+    def release() -> None:
+        if standby is not None and standby.fd is not None:
+            locks.append(standby.fd)
+            standby.fd = None
+        while locks:
+            dirs.release_pipe_dir(locks.pop())
+
     try:
-        return _serve(config, reload, standby)
+        return _serve(config, reload, standby, release)
     finally:
-        for fd in (lock, standby.fd if standby is not None else None):
-            if fd is not None:
-                dirs.release_pipe_dir(fd)
+        release()
         if standby is not None:
             standby.close()
 
 
-def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby: Standby | None = None) -> int:
+def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby: Standby | None = None,
+           release: Callable[[], None] = lambda: None) -> int:
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
     board = HealthBoard()
     inventory = open_inventory(config)
@@ -216,7 +225,9 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby:
     try:
         if standby is not None and not standby.take_over(supervisor.install_signal_handlers):
             return 0
-        return supervisor.run()
+        code = supervisor.run()
+        release()  # the daemon is let go (or quit): the next mpsd may take over while the faces stop
+        return code
     finally:
         if v3 is not None:
             v3.stop_background()

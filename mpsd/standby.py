@@ -43,7 +43,7 @@ from .health import HealthBoard
 
 log = logging.getLogger(__name__)
 
-POLL = 0.2  # seconds between two tries of the pipe dir's lock, at most
+POLL = 0.05  # seconds between two tries of the pipe dir's lock, at most (each: a few stat calls and a flock)
 
 
 def instance_of(config: cfg.Config, environ: Mapping[str, str] = os.environ) -> str:

@@ -40,6 +40,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from typing import Callable, Sequence
 
 from .. import grpcready  # noqa: F401  (first: one line, not a traceback, if grpcio is too old)
@@ -60,6 +61,7 @@ from .usage import UsageMetrics, UsageReader, UsageTracker, shim_usage
 log = logging.getLogger(__name__)
 
 STATE_FILE = "device-plugin-state.json"
+SETTLE = 0.5  # seconds between the end of the kubelet's streams and the socket's, with another instance up
 
 __all__ = ["DevicePlugin", "run_plugin", "socket_name_for"]
 
@@ -203,7 +205,15 @@ class DevicePlugin:
         )
 
     def stop(self) -> None:
+        """Stop serving. The kubelet's streams end first, while the socket is still there: the
+        kubelet marks the resource unhealthy when a stream ends, and another instance registers
+        again when the socket goes, so its fresh device list is the last word (gRPC unlinks the
+        socket as soon as the server stops, before its streams have seen the stop)."""
         self._stop.set()
+        if not self.servicer.streams_ended(self.servicer.wake_interval + 1.0):
+            log.warning("ListAndWatch streams still open after the stop; stopping the server under them")
+        elif _peer_sockets(self.kubelet_dir, self.resource_name, self.socket_name):
+            time.sleep(SETTLE)  # another instance registers again once the socket goes: the kubelet's verdict first
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()
