@@ -156,10 +156,11 @@ class Standby:
         interval = max(self.config.health_interval, self.poll)
         next_look = time.monotonic() + interval
         while not self.stopped:
-            try:
-                self.fd = dirs.hold_pipe_dir(self.config.pipe_dir)
+            try:  # no PID yet: a holder that has just taken it, or one letting it go (tried again soon)
+                self.fd = dirs.hold_pipe_dir(self.config.pipe_dir, pid_wait=0)
             except dirs.PipeDirHeld as exc:
-                self._follow(exc.pid, announce=True)
+                if exc.pid is not None:
+                    self._follow(exc.pid, announce=True)
             else:
                 break
             if time.monotonic() >= next_look:

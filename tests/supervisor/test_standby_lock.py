@@ -178,3 +178,38 @@ def test_readyz_waits_for_a_face_to_serve_not_only_for_it_not_to_have_failed(tmp
         for face in faces:
             assert face.thread is not None
             face.thread.join(30)
+
+
+BARE = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.readline()")
+
+
+def test_a_lock_held_with_no_pid_in_it_does_not_stall_the_standby(pipe, monkeypatch):
+    """A holder letting go truncates the file before it closes it (and a new one writes its PID
+    only after it has the lock): a try in between finds the lock held and no PID. mpsd run's
+    refusal waits for a PID to name (LOCK_PID_WAIT); the standby's tries must not, or it would
+    take over that much later."""
+    monkeypatch.setattr(dirs, "LOCK_PID_WAIT", 30.0)
+    first = holder(pipe)
+    standby = standby_for(pipe)
+    first.kill()
+    first.wait()
+    bare = subprocess.Popen([sys.executable, "-c", BARE, str(pipe / dirs.LOCK_FILE)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert bare.stdout is not None and bare.stdout.readline() == "held\n"
+        (pipe / dirs.LOCK_FILE).write_text("")  # what release_pipe_dir leaves before its close
+        waiting = Waiting(standby)
+        time.sleep(0.5)
+        began = time.monotonic()
+        assert bare.stdin is not None
+        bare.stdin.close()  # lets go
+        bare.wait(30)
+        fd = waiting.join(60)
+        assert fd is not None and time.monotonic() - began < 10
+        dirs.release_pipe_dir(fd)
+    finally:
+        standby.close()
+        if bare.poll() is None:
+            bare.kill()
+            bare.wait()
