@@ -3,7 +3,7 @@
 Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's run_plugin)::
 
     run_dra(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, api=None,
-            gpu_lister=None)
+            gpu_lister=None, started=None)
 
 - the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
   its pool has the node's name (mpsd/dra/slices.py publishes it so); ``POD_UID`` names this

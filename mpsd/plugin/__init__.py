@@ -2,7 +2,7 @@
 
 Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
 
-    run_plugin(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None)
+    run_plugin(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, started=None)
 
 - ``config``: a ``mpsd.config.DevicePluginConfig`` (or the whole ``Config``, whose
   ``device_plugin`` and ``state_dir`` are then used): resource_name, slices_per_gpu,
@@ -15,6 +15,7 @@ Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
   ``metrics.set_allocations`` every ``usage_interval`` seconds.
 - ``shim_library``: path of libmpsshim.so, installed atomically into shim_host_dir.
 - ``stop``: blocks until this event is set, then shuts down (ListAndWatch streams end).
+- ``started``: set once the socket is served (``mpsd run``'s /readyz waits for it).
 - ``state_dir``: where ``device-plugin-state.json`` lives (default: config.state_dir for a
   whole Config, else the parent of region_dir).
 - ``instance``: this mpsd's name for its socket (default ``POD_UID``, mpsd/plugin/served.py):
