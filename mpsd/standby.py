@@ -124,9 +124,9 @@ class Standby:
             os.close(proof.pidfd)
         if proof.pid is not None:
             reason = ""
-            said = f"standing by: the control daemon pid={proof.pid} is genuine, supervised by {self._who()}"
+            said = f"standing by: the control daemon pid={proof.pid} is genuine, supervised by mpsd run {self._who()}"
         else:
-            reason = f"standing by for {self._who()}: " + (
+            reason = f"standing by for mpsd run {self._who()}: " + (
                 proof.problem or f"no control daemon on pipe dir {c.pipe_dir}")  # fmt: skip
             said = reason
         if said != self._said:
@@ -173,7 +173,7 @@ class Standby:
             return None
         if self._metrics is not None:
             self._metrics.set_standby(False)
-        log.info("pipe dir %s: %s let it go after %.2fs in standby: this mpsd supervises the daemon now",
+        log.info("pipe dir %s: mpsd run %s let it go after %.2fs in standby: this mpsd supervises the daemon now",
                  self.config.pipe_dir, self._who(), time.monotonic() - self._began)  # fmt: skip
         return self.fd
 
@@ -202,7 +202,7 @@ class Standby:
             log.info("pipe dir %s: now held by %s: still standing by", self.config.pipe_dir, self._who())
 
     def _who(self) -> str:
-        return "mpsd run " + (peer.describe(self._holder) if self._holder is not None else "of unknown pid")
+        return peer.describe(self._holder) if self._holder is not None else "pid unknown"
 
     def close(self) -> None:
         """Close the descriptors; a signal handled after this writes to none (-1)."""

@@ -65,7 +65,7 @@ def test_a_surged_mpsd_stands_by_ready_and_adopts_the_daemon_when_the_old_one_go
     time.sleep(1.5)  # three of the standby's looks at the daemon (healthInterval 0.5s)
     assert settled_commands(node) == commands, "the standby sent the daemon a command"
     lines = read(new)
-    assert f"another mpsd run (mpsd run pid {old.pid} " in lines and f"standing by as instance {NEW}" in lines
+    assert f"another mpsd run (pid {old.pid} " in lines and f"standing by as instance {NEW}" in lines
     assert f"standing by: the control daemon pid={daemon} is genuine, supervised by mpsd run pid {old.pid}" in lines
     assert "adopted" not in lines
     new.send_signal(signal.SIGHUP)  # a reload asked while standing by is done once supervising
