@@ -38,6 +38,15 @@ LOCK_FILE = "mpsd.lock"
 LOCK_PID_WAIT = 1.0  # seconds a refused mpsd waits for the holder to write its PID
 
 
+class PipeDirHeld(SetupError):
+    """Another process (an ``mpsd run``, or ``mpsd stop-daemon`` while it works) holds the pipe
+    dir's ``mpsd.lock``; ``pid`` is the one it wrote there (None when it wrote none in time)."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 def prepare(pipe_dir: str, log_dir: str) -> None:
     """Make both directories ready for a new daemon; SetupError (one line) when it cannot."""
     pipe = _absolute(pipe_dir, "pipe dir")
@@ -210,10 +219,11 @@ def client_socket_problem(pipe: Path) -> str:
     return ""
 
 
-def hold_pipe_dir(pipe_dir: str) -> int:
+def hold_pipe_dir(pipe_dir: str, pid_wait: float | None = None) -> int:
     """Create and check the pipe dir, then flock its ``mpsd.lock`` for the life of the caller
     (the fd returned; :func:`release_pipe_dir` ends it, and so does the process's exit).
-    SetupError naming the holder's PID when another mpsd holds it."""
+    PipeDirHeld naming the holder's PID when another mpsd holds it (waiting up to ``pid_wait``,
+    by default LOCK_PID_WAIT, for a holder that has just taken it to write it)."""
     pipe = _absolute(pipe_dir, "pipe dir")
     ensure_dir(pipe, 0o755, "pipe dir")
     path = pipe / LOCK_FILE
@@ -228,9 +238,11 @@ def hold_pipe_dir(pipe_dir: str) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SetupError(
-                f"pipe dir {pipe}: another mpsd run (pid {_holder(fd)}) holds {path}; "
-                "stop it or give this one another pipeDir"
+            holder = _holder(fd, LOCK_PID_WAIT if pid_wait is None else pid_wait)
+            raise PipeDirHeld(
+                f"pipe dir {pipe}: another mpsd run (pid {holder}) holds {path}; "
+                "stop it or give this one another pipeDir",
+                int(holder) if is_decimal(holder) else None,
             ) from None
         except OSError as exc:
             raise SetupError(f"pipe dir {pipe}: cannot lock {path}: {exc.strerror}") from exc
@@ -255,9 +267,9 @@ def release_pipe_dir(fd: int) -> None:
         os.close(fd)
 
 
-def _holder(fd: int) -> str:
+def _holder(fd: int, wait: float) -> str:
     """The PID the lock's holder wrote, waiting briefly for it (it writes once it holds it)."""
-    deadline = time.monotonic() + LOCK_PID_WAIT
+    deadline = time.monotonic() + wait
     while True:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
         if is_decimal(text) or time.monotonic() >= deadline:

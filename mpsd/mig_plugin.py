@@ -129,15 +129,18 @@ class MigPlugins:
             gpu_source=lambda: [d for d in self.fleet.devices() if d.profile == profile],
         )
 
-    def run(self, stop: threading.Event, poll: float = POLL) -> None:
+    def run(self, stop: threading.Event, poll: float = POLL, started: threading.Event | None = None) -> None:
         """Serve until ``stop``; PluginError at once when devicePlugin.memoryLimit asks for burst, which
-        an instance's daemon cannot lend (the whole-GPU plugin refuses it on MPS v2 alike)."""
+        an instance's daemon cannot lend (the whole-GPU plugin refuses it on MPS v2 alike).
+        ``started`` is set once the first round has registered every profile there is (/readyz)."""
         limit = self.config.device_plugin.memory_limit
         if limit:
             raise PluginError(f"devicePlugin.memoryLimit {limit} cannot be enforced on MIG instances: {BURST}")
         try:
             while True:
                 self.sync()
+                if started is not None:
+                    started.set()
                 if stop.wait(poll):
                     return
         finally:
@@ -146,6 +149,7 @@ class MigPlugins:
 
 
 def run_mig_plugins(config, *, board, metrics, shim_library: str, stop: threading.Event, state_dir: str | None = None,
-                    fleet, **_ignored) -> None:
+                    fleet, started: threading.Event | None = None, **_ignored) -> None:
     """``mpsd run``'s entry (mpsd/node.py): serve every profile's plugin until ``stop``."""
-    MigPlugins(config, fleet, board, metrics=metrics, shim_library=shim_library, state_dir=state_dir).run(stop)
+    MigPlugins(config, fleet, board, metrics=metrics, shim_library=shim_library, state_dir=state_dir).run(
+        stop, started=started)

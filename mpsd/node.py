@@ -16,6 +16,7 @@ from . import dirs
 from .errors import InventoryError, MpsdError
 from .exec_regions import ExecRegions
 from .health import HealthBoard
+from .standby import Standby
 from .supervisor import Status, Supervisor
 
 log = logging.getLogger(__name__)
@@ -166,17 +167,36 @@ def _observer(metrics, pump: InventoryPump) -> Callable[[Status], None]:
 def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 on a clean stop. Raises MpsdError when it cannot start,
     SetupError at once when another ``mpsd run`` holds the pipe dir: its lock is taken before
-    anything else touches the pipe dir, and kept until the daemon is gone."""
+    anything else touches the pipe dir, and kept until the daemon is gone or let go (its
+    supervision over: a standby may take over while the kubelet faces stop). As an instance
+    of a rollout (independent lifecycle, ``POD_UID``), it stands by for the lock instead
+    (mpsd/standby.py)."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger().setLevel(config.log_level.upper())
-    lock = dirs.hold_pipe_dir(config.pipe_dir)
+    standby = None
+    locks: list[int] = []
     try:
-        return _serve(config, reload)
+        locks.append(dirs.hold_pipe_dir(config.pipe_dir))
+    except dirs.PipeDirHeld as held:
+        standby = Standby.instead_of(config, held)
+
+    def release() -> None:
+        if standby is not None and standby.fd is not None:
+            locks.append(standby.fd)
+            standby.fd = None
+        while locks:
+            dirs.release_pipe_dir(locks.pop())
+
+    try:
+        return _serve(config, reload, standby, release)
     finally:
-        dirs.release_pipe_dir(lock)
+        release()
+        if standby is not None:
+            standby.close()
 
 
-def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
+def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby: Standby | None = None,
+           release: Callable[[], None] = lambda: None) -> int:
     log.info("config source=%s %s", config.source or "-", cfg.describe(config))
     board = HealthBoard()
     inventory = open_inventory(config)
@@ -204,12 +224,17 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
         on_status=_observer(metrics, pump),
         v3=v3,
     )
-    supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
+    if standby is None:
+        supervisor.install_signal_handlers()  # before anything slow: a SIGTERM now is a clean stop
+    else:  # its own handlers are in since the lock was found held; the supervisor's come with the lock
+        standby.attach(board, metrics, pump.request)
     plugin: PluginRun | None = None  # read by the readiness probe when it is called
     dra: PluginRun | None = None
     mig_plugins: PluginRun | None = None
     if metrics is not None:
-        live = supervisor.loop_alive.is_set
+        def live() -> bool:  # the supervisor's loop runs, or this mpsd stands by for it
+            return supervisor.loop_alive.is_set() or (standby is not None and standby.waiting)
+
         server = serve(config.metrics_address, metrics, live=live,
                        ready=lambda: _ready(board, plugin, dra, mig_plugins))
         log.info("metrics listening address=%s paths=/metrics,/healthz,/readyz", config.metrics_address)
@@ -228,7 +253,11 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
     if v3 is not None:
         v3.start_background()
     try:
-        return supervisor.run()
+        if standby is not None and not standby.take_over(supervisor.install_signal_handlers):
+            return 0
+        code = supervisor.run()
+        release()  # the daemon is let go (or quit): the next mpsd may take over while the faces stop
+        return code
     finally:
         if v3 is not None:
             v3.stop_background()
@@ -246,10 +275,14 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None) -> int:
 
 
 class PluginRun:
-    """The device plugin's (or the DRA plugin's) thread, and why it is not serving if so ("" while it serves)."""
+    """The device plugin's (or the DRA plugin's) thread, whether it serves yet (``started``,
+    set by its runner once its sockets are served), and why it is not serving if so ("" while
+    it serves or starts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "plugin") -> None:
+        self.label = label
         self.thread: threading.Thread | None = None
+        self.started = threading.Event()
         self.problem = ""
 
 
@@ -261,6 +294,8 @@ def _ready(board: HealthBoard, *plugins: PluginRun | None) -> tuple[bool, str]:
     for plugin in plugins:
         if plugin is not None and plugin.problem:
             return False, plugin.problem
+        if plugin is not None and plugin.thread is not None and not plugin.started.is_set():
+            return False, f"{plugin.label} starting"
     if state.daemon_up and state.configured:
         return (False, state.unverified) if state.unverified else (True, "")
     return False, state.last_error or ("daemon starting" if not state.daemon_up else "defaults not applied yet")
@@ -336,9 +371,10 @@ def _start_service(
     label: str, load: Callable[[], Callable], config: cfg.Config, board: HealthBoard, metrics, gpus,
     stop: threading.Event, **extra,
 ) -> PluginRun:
-    """Run ``load()(config, pipe_dir=..., gpus=..., ...)`` in a thread until ``stop``; a failure
-    to start or a stop nobody asked for is the run's ``problem`` (and the board's last error)."""
-    plugin = PluginRun()
+    """Run ``load()(config, pipe_dir=..., gpus=..., started=..., ...)`` in a thread until ``stop``;
+    the runner sets ``started`` once it serves; a failure to start or a stop nobody asked for is
+    the run's ``problem`` (and the board's last error)."""
+    plugin = PluginRun(label)
     try:
         runner = load()
     except ImportError as exc:
@@ -365,6 +401,7 @@ def _start_service(
                 shim_library=shim_library,
                 stop=stop,
                 state_dir=config.state_dir,
+                started=plugin.started,
                 **extra,
             )
         except MpsdError as exc:

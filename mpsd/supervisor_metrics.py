@@ -30,6 +30,10 @@ class SupervisorMetrics(Families):
         self._latency_seen: float | None = None
         self._error_seen = ""
         self.daemon_up = Gauge("mpsd_daemon_up", "1 while the MPS control daemon is running", registry=r)
+        self.standby = Gauge(
+            "mpsd_standby", "1 while this mpsd stands by: another mpsd run supervises the daemon (mpsd/standby.py)",
+            registry=r,
+        )
         self.daemon_restarts = Counter(
             "mpsd_daemon_restarts", "Restarts of the MPS control daemon by the supervisor", registry=r
         )
@@ -145,6 +149,9 @@ class SupervisorMetrics(Families):
 
     def set_daemon_up(self, up: bool) -> None:
         self.daemon_up.set(1 if up else 0)
+
+    def set_standby(self, standing_by: bool) -> None:
+        self.standby.set(1 if standing_by else 0)
 
     def daemon_restarted(self) -> None:
         self.daemon_restarts.inc()

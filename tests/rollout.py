@@ -111,25 +111,30 @@ class Node:
         self._logs += 1
         return self.work / f"{name}-{self._logs}.log"
 
-    def spawn(self, command: str, **settings: str) -> subprocess.Popen:
-        """``mpsd COMMAND`` with this node's flags; its output in work/COMMAND-N.log (``.log``)."""
+    def spawn(self, command: str, env: dict[str, str] | None = None, **settings: str) -> subprocess.Popen:
+        """``mpsd COMMAND`` with this node's flags (and ``env`` added to its environment, e.g.
+        POD_UID); its output in work/COMMAND-N.log (``.log``)."""
         log = self._log(command)
         with open(log, "w") as out:
             proc = subprocess.Popen([*MPSD, command, *self.flags(**settings)], cwd=REPO, stdout=out,
-                                    stderr=subprocess.STDOUT, env=_clean_env())  # fmt: skip
+                                    stderr=subprocess.STDOUT, env={**_clean_env(), **(env or {})})  # fmt: skip
         proc.log = log  # type: ignore[attr-defined]
         self.started.append(proc)
         return proc
 
-    def ready(self) -> bool:
-        return http_get(self.port, "/readyz")[0] == 200
+    def ready(self, port: int | None = None) -> bool:
+        return http_get(port or self.port, "/readyz")[0] == 200
 
-    def start_timed(self, **settings: str) -> tuple[subprocess.Popen, float]:
-        """A new ``mpsd run`` and the seconds from its spawn to its first /readyz 200."""
+    def start_timed(self, env: dict[str, str] | None = None, port: int | None = None,
+                    **settings: str) -> tuple[subprocess.Popen, float]:  # fmt: skip
+        """A new ``mpsd run`` (metrics on ``port``, else the node's) and the seconds from its
+        spawn to its first /readyz 200."""
         began = time.monotonic()
-        proc = self.spawn("run", **settings)
+        if port is not None:
+            settings["metrics-address"] = f"127.0.0.1:{port}"
+        proc = self.spawn("run", env, **settings)
         deadline = began + 60
-        while not self.ready():
+        while not self.ready(port):
             assert proc.poll() is None, f"mpsd run exited {proc.returncode}:\n{read(proc)}"
             assert time.monotonic() < deadline, f"mpsd run not ready in 60s:\n{read(proc)}"
             time.sleep(POLL)
@@ -152,14 +157,19 @@ class Node:
 
     def quits(self) -> int:
         """``quit`` commands the daemons of this node were sent (control.log's ``Cmd:quit``)."""
-        try:
-            return (self.log_dir / "control.log").read_text(errors="replace").count("Cmd:quit")
-        except FileNotFoundError:
-            return 0
+        return self.commands().count("Cmd:quit")
 
-    def metric(self, name: str) -> dict[str, float]:
-        """{labels: value} of one family on this node's /metrics."""
-        status, body = http_get(self.port, "/metrics")
+    def commands(self) -> list[str]:
+        """Every command the daemons of this node were sent, in order (control.log's ``Cmd:...``)."""
+        try:
+            text = (self.log_dir / "control.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        return re.findall(r"Cmd:\S+", text)
+
+    def metric(self, name: str, port: int | None = None) -> dict[str, float]:
+        """{labels: value} of one family on this node's /metrics (or those on ``port``)."""
+        status, body = http_get(port or self.port, "/metrics")
         assert status == 200, body
         found = {}
         for line in body.splitlines():

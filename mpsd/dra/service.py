@@ -3,7 +3,7 @@
 Entry point (mpsd/node.py calls it in a thread, as it calls the device plugin's run_plugin)::
 
     run_dra(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, api=None,
-            gpu_lister=None)
+            gpu_lister=None, started=None)
 
 - the node is ``NODE_NAME`` (the DaemonSet sets it from the downward API), else the host name;
   its pool has the node's name (mpsd/dra/slices.py publishes it so); ``POD_UID`` names this
@@ -126,8 +126,10 @@ def run_dra(
     backend=None,
     instance: str | None = None,
     driver_version: Callable[[], str] | None = None,
+    started: threading.Event | None = None,
 ) -> None:
-    """Serve the DRA plugin until ``stop`` is set (see the module docstring); ``backend``: the
+    """Serve the DRA plugin until ``stop`` is set (see the module docstring); ``started`` is set
+    once its sockets are served (mpsd run's /readyz waits for it); ``backend``: the
     node's sharing backend (mpsd/sharing), MPS v2's when None; ``instance`` names its sockets
     (default: ``POD_UID``); ``driver_version``: NVIDIA's driver version as NVML reports it
     (published as the driverVersion attribute)."""
@@ -164,6 +166,8 @@ def run_dra(
         plugin.registration.on_registered = registered
         try:
             plugin.start()
+            if started is not None:
+                started.set()
             keeper.run(stop)
         finally:
             plugin.stop()  # the slices stay: the node's GPUs must not vanish while mpsd restarts

@@ -2,7 +2,7 @@
 
 Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
 
-    run_plugin(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None)
+    run_plugin(config, *, pipe_dir, gpus, board, metrics, shim_library, stop, state_dir=None, started=None)
 
 - ``config``: a ``mpsd.config.DevicePluginConfig`` (or the whole ``Config``, whose
   ``device_plugin`` and ``state_dir`` are then used): resource_name, slices_per_gpu,
@@ -15,6 +15,7 @@ Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
   ``metrics.set_allocations`` every ``usage_interval`` seconds.
 - ``shim_library``: path of libmpsshim.so, installed atomically into shim_host_dir.
 - ``stop``: blocks until this event is set, then shuts down (ListAndWatch streams end).
+- ``started``: set once the socket is served (``mpsd run``'s /readyz waits for it).
 - ``state_dir``: where ``device-plugin-state.json`` lives (default: config.state_dir for a
   whole Config, else the parent of region_dir).
 - ``instance``: this mpsd's name for its socket (default ``POD_UID``, mpsd/plugin/served.py):
@@ -40,6 +41,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from typing import Callable, Sequence
 
 from .. import grpcready  # noqa: F401  (first: one line, not a traceback, if grpcio is too old)
@@ -60,6 +62,7 @@ from .usage import UsageMetrics, UsageReader, UsageTracker, shim_usage
 log = logging.getLogger(__name__)
 
 STATE_FILE = "device-plugin-state.json"
+SETTLE = 0.5  # seconds between the end of the kubelet's streams and the socket's, with another instance up
 
 __all__ = ["DevicePlugin", "run_plugin", "socket_name_for"]
 
@@ -205,7 +208,15 @@ class DevicePlugin:
         )
 
     def stop(self) -> None:
+        """Stop serving. The kubelet's streams end first, while the socket is still there: the
+        kubelet marks the resource unhealthy when a stream ends, and another instance registers
+        again when the socket goes, so its fresh device list is the last word (gRPC unlinks the
+        socket as soon as the server stops, before its streams have seen the stop)."""
         self._stop.set()
+        if not self.servicer.streams_ended(self.servicer.wake_interval + 1.0):
+            log.warning("ListAndWatch streams still open after the stop; stopping the server under them")
+        elif _peer_sockets(self.kubelet_dir, self.resource_name, self.socket_name):
+            time.sleep(SETTLE)  # another instance registers again once the socket goes: the kubelet's verdict first
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()
@@ -213,9 +224,12 @@ class DevicePlugin:
         self.store.close()
         log.info("device plugin stopped resource=%s", self.resource_name)
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, started: threading.Event | None = None) -> None:
+        """Serve until ``stop``; ``started`` is set once the socket is served."""
         try:
             self.start()
+            if started is not None:
+                started.set()
             stop.wait()
         finally:
             self.stop()  # also after a failed start: nothing is left serving
@@ -318,8 +332,10 @@ def run_plugin(
     stop: threading.Event,
     state_dir: str | None = None,
     backend: Backend | None = None,
+    started: threading.Event | None = None,
 ) -> None:
-    """Serve the device plugin until ``stop`` is set (see the module docstring)."""
+    """Serve the device plugin until ``stop`` is set (see the module docstring); ``started`` is
+    set once it serves (mpsd run's /readyz waits for it)."""
     dp = getattr(config, "device_plugin", config)
     if state_dir is None:
         state_dir = getattr(config, "state_dir", None) or os.path.dirname(os.path.abspath(dp.region_dir))
@@ -349,7 +365,7 @@ def run_plugin(
     if getattr(dp, "memory_limit", "") and plugin.backend.burst_problem():
         raise PluginError(f"devicePlugin.memoryLimit {dp.memory_limit} cannot be enforced on this node: "
                           f"{plugin.backend.burst_problem()}")
-    plugin.run(stop)
+    plugin.run(stop, started)
 
 
 def _log_bound(regionfs, label: str, path: str, args: str, example: str) -> None:

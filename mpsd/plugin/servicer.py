@@ -62,7 +62,7 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         self.request_for = request_for or (lambda plan, region_dir: SliceRequest(plan.allocation_id, plan, region_dir))
         self.max_streams = max_streams
         self._streams = 0
-        self._streams_lock = threading.Lock()
+        self._streams_lock = threading.Condition()  # notified as each stream ends
         self.slices_per_gpu = slices_per_gpu
         self.board = board
         self.paths = paths
@@ -98,6 +98,12 @@ class Servicer(api_pb2_grpc.DevicePluginServicer):
         finally:
             with self._streams_lock:
                 self._streams -= 1
+                self._streams_lock.notify_all()
+
+    def streams_ended(self, timeout: float) -> bool:
+        """Wait until no ListAndWatch stream is open (after ``stop`` each ends within wake_interval)."""
+        with self._streams_lock:
+            return self._streams_lock.wait_for(lambda: self._streams == 0, timeout)
 
     def _list_and_watch(self, context):
         state = self.board.current()

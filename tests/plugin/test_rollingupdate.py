@@ -7,6 +7,7 @@ Allocate keeps working and every allocation survives."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -31,8 +32,8 @@ def manager(env):
 def plugins(env):
     started = []
 
-    def start(instance: str):
-        p = env.plugin(gpus(80), 4, instance=instance)
+    def start(instance: str, **kw):
+        p = env.plugin(gpus(80), 4, instance=instance, **kw)
         p.start()
         started.append(p)
         return p
@@ -71,6 +72,33 @@ def test_old_and_new_overlap_and_the_resource_stays_usable(env, manager, plugins
     for response in (first, second, third):
         (container,) = response.container_responses
         assert container.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+
+
+def test_the_old_stream_ends_before_its_socket_goes_so_the_new_registration_is_the_last_word(env, manager, plugins):
+    """The new instance registers again when the old one's socket goes; the kubelet marks the
+    resource unhealthy when the old one's stream ends. The stream used to end up to a
+    wake_interval after the socket went (gRPC unlinks it as the server stops), so the kubelet's
+    verdict came after the new registration and the node's slices stayed unhealthy for good."""
+    old = plugins(OLD, wake_interval=0.5)  # the production default: streams see a stop that late
+    assert wait_for(lambda: len(healthy(manager)) == 4)
+    ids = healthy(manager)
+    new = plugins(NEW)
+    assert wait_for(lambda: manager.registrations == [socket_name_for(RESOURCE, i) for i in (OLD, NEW)])
+    ended: list[bool] = []
+    disconnected = manager.disconnected
+
+    def record(client) -> None:
+        if client.socket == old.socket_path:
+            ended.append(os.path.exists(client.socket))
+        disconnected(client)
+
+    manager.disconnected = record
+    old.stop()
+    assert wait_for(lambda: ended) and ended == [True]  # its socket was still there when its stream ended
+    assert wait_for(lambda: manager.registrations[-1:] == [new.socket_name] and len(manager.registrations) == 3)
+    assert wait_for(lambda: healthy(manager) == ids)
+    time.sleep(1.0)
+    assert healthy(manager) == ids
 
 
 def test_without_instances_a_second_plugin_takes_over_the_socket_of_the_first(env, manager, plugins):
