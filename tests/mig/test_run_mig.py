@@ -60,6 +60,14 @@ def visible(pid: int) -> dict[str, int]:
     return out
 
 
+def readyz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return r.status, r.read().decode().strip()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode().strip()
+
+
 def test_mixed_node_daemons_follow_the_mig_layout(mps_control, short_dir, tmp_path_factory):
     nvml = build_fake_nvml(tmp_path_factory.mktemp("nvml"))
     conf = short_dir / "nvml.conf"
@@ -91,6 +99,9 @@ def test_mixed_node_daemons_follow_the_mig_layout(mps_control, short_dir, tmp_pa
         wait_until(lambda: len(kubelet.requests) >= 3, what="three resources registered")
         assert sorted(r.resource_name for r in kubelet.requests) == [
             "mpsd.io/gpu", "mpsd.io/mig-1g.10gb", "mpsd.io/mig-3g.40gb"]
+        # every face serves, the MIG plugins too: ready (a MIG runner that never said it serves
+        # left /readyz at "MIG device plugins starting")
+        wait_until(lambda: readyz(port) == (200, "ok"), what="/readyz 200")
         kept = visible(proc.pid)[M1]
         mtime = conf.stat().st_mtime_ns + 10**9
         conf.write_text(node(mig_line(1, 0, M1, 7, 0, 1, 1, 16, 9984 * MIB, 0, "1g.10gb"),
