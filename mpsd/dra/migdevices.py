@@ -28,7 +28,7 @@ from typing import Any
 
 from ..mig import MigDevice
 from . import devices as dv
-from .slices import MIB, MIN_MEMORY_MIB, quantity, semver
+from .slices import MIB, MIN_MEMORY_MIB, _capacity, quantity, semver
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,6 @@ def _attributes(device: MigDevice, driver_version: str) -> Obj:
     if version is not None:
         attrs[dv.ATTR_DRIVER_VERSION] = {"version": version}
     return attrs
-
-
-def _capacity(value: str, default: str, low: str, high: str, step: str) -> Obj:
-    valid_range = {"min": low, "max": high, "step": step}
-    return {"value": value, "requestPolicy": {"default": default, "validRange": valid_range}}
 
 
 def build(instances: Sequence[MigDevice], mode: str, driver_version: str = "") -> list[Obj]:
