@@ -31,17 +31,17 @@ pytestmark = [
 WRITE = "set_default_active_thread_percentage 1"
 
 
-def start_writer(binary: str, pipe_dir: str, command: str = WRITE) -> subprocess.Popen:
-    """A process of another UID sending ``command`` through the front-end in a loop, as fast
-    as the front-end goes (it fails until a daemon listens, and goes on)."""
+def start_writer(binary: str, pipe_dir: str, command: str = WRITE, uid: int | None = NOBODY) -> subprocess.Popen:
+    """A process of another UID (``uid``; None: mpsd's own, i.e. root, as a root pod is) sending
+    ``command`` through the front-end in a loop, as fast as the front-end goes (it fails until
+    a daemon listens, and goes on)."""
     loop = f'while :; do echo "{command}" | "$0" >/dev/null 2>&1; done'
+    as_user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
     return subprocess.Popen(
         ["sh", "-c", loop, binary],
         env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir),
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
         start_new_session=True,
+        **as_user,
     )
 
 
