@@ -172,12 +172,14 @@ class Daemon:
 
     def start(self) -> None:
         os.makedirs(self.pipe, exist_ok=True)
-        self.listen(os.path.join(self.pipe, "control"), "", "")
         for name, srv in self.servers.items():
             self.listen(os.path.join(self.pipe, name, "control"), name, "default")  # [NS]: the default namespace
             self.add_namespace(name, "default")
             for ns in srv["namespaces"]:
                 self.add_namespace(name, ns)
+        # The top-level socket last: whoever waits for it (tests, mpsd's start) finds every
+        # namespace socket of the file already bound (seen racing under load otherwise).
+        self.listen(os.path.join(self.pipe, "control"), "", "")
         self.log(f"Starting control daemon using socket {self.pipe}/control (protocol 3)")
 
     def serve(self) -> None:
