@@ -241,6 +241,23 @@ def _memory_limit(value: Any) -> str:
     raise ValueError(accepted)
 
 
+MIN_LOG_SIZE = 64 << 10
+
+
+def _log_size(value: Any) -> int:
+    """logMaxSize: 0 (never rotate) or a size of at least MIN_LOG_SIZE."""
+    accepted = "0 (never rotate) or a size of at least 64K, such as 64M"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(accepted)
+    try:
+        size = parse_size(str(value))
+    except ConfigError:
+        raise ValueError(accepted) from None
+    if size and size < MIN_LOG_SIZE:
+        raise ValueError(accepted)
+    return size
+
+
 def _protocol(value: Any) -> str:
     """mps.protocol: auto, 2 or 3 (YAML may give the numbers as integers)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -294,6 +311,10 @@ SETTINGS: tuple[Setting, ...] = (
             "CUDA_MPS_PIPE_DIRECTORY of the daemon and its clients"),
     Setting("logDir", "log-dir", _path, "/var/log/nvidia-mps",
             "CUDA_MPS_LOG_DIRECTORY: control.log and server.log"),
+    Setting("logMaxSize", "log-max-size", _log_size, "64M",
+            "control.log (server.log of a detached daemon) is rotated before it passes this size; 0 = never"),
+    Setting("logKeep", "log-keep", _int_range(0, 100), 3,
+            "rotated logs kept (control.log.1 is the newest); 0 = older lines are dropped"),
     Setting("visibleDevices", "visible-devices", _visible_devices, None,
             "the daemon's CUDA_VISIBLE_DEVICES (\"0,1\" or UUIDs); empty = all GPUs"),
     Setting("activeThreadPercentage", "active-thread-percentage", _percentage, 100,
@@ -473,6 +494,8 @@ class Config:
     daemon_lifecycle: str = "owned"
     mig: MigConfig = field(default_factory=MigConfig)
     multi_user: str = "auto"  # auto | on | off (mpsd.multiuser)
+    log_max_size: int = 64 << 20  # rotation of the daemon's logs (mpsd.logfiles); 0: never
+    log_keep: int = 3
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,13 +4,11 @@ mpsd/node.py, ``mpsd status`` in mpsd/status.py."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from . import config as cfg
 from .control import Control
 from .errors import ControlError, SetupError
+from .logfiles import LogFile
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +104,7 @@ class DaemonProcess:
         self.retired_because = ""  # why the supervisor killed it, if it did
         self.on_line: Callable[[str], None] | None = None  # sees each line it prints (contest.WriterWatch)
         self._log_path = os.path.join(config.log_dir, "control.log")
+        self._log_max_size, self._log_keep = config.log_max_size, config.log_keep
         self.last_line = ""  # the daemon's last line of output (why it exited at start, say)
         self._pump_thread = threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True)
         self._pump_thread.start()
@@ -118,7 +118,7 @@ class DaemonProcess:
         """Copy the daemon's output to control.log until it closes. The output is always read,
         whatever the file does: a daemon whose stdout fills up blocks, and with it every client."""
         assert self.proc.stdout is not None
-        out = LogFile(self._log_path)
+        out = LogFile(self._log_path, self._log_max_size, self._log_keep)
         with self.proc.stdout:
             for line in self.proc.stdout:
                 out.write(line)
@@ -192,77 +192,3 @@ class Quitter(Protocol):
     """What quit_daemon needs of a front-end: ``quit -t`` (mpsd.control.Control has it)."""
 
     def quit(self, timeout_s: int, wait: float) -> None: ...
-
-
-class LogFile:
-    """control.log, appended to line by line. A line that cannot be written (a full disk, the
-    directory gone) is dropped and counted, and the next line tries again (the file reopened at
-    most every REOPEN_EVERY seconds): writing resumes once there is space, with a line saying
-    how many were lost. Opened without following links; anything but a regular file is refused."""
-
-    REOPEN_EVERY = 1.0
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.dropped = 0
-        self._fd: int | None = None
-        self._reopen_at = 0.0
-        self._failure = ""  # why lines are being dropped, "" while writing works
-        self._partial = False  # the last failed write left half a line in the file
-
-    def write(self, line: bytes) -> bool:
-        """True if ``line`` reached the file."""
-        try:
-            fd = self._open()
-            if self._failure:
-                note = f"mpsd: {self.dropped} line(s) of the control daemon's output lost: {self._failure}\n"
-                self._write_all(fd, (b"\n" if self._partial else b"") + note.encode())
-            self._write_all(fd, line)
-        except OSError as exc:
-            self._dropped(exc)
-            return False
-        if self._failure:
-            log.warning("control log written again path=%s lost_lines=%d", self.path, self.dropped)
-            self._failure, self.dropped = "", 0
-        return True
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def _open(self) -> int:
-        if self._fd is not None:
-            return self._fd
-        if time.monotonic() < self._reopen_at:
-            raise OSError(errno.EAGAIN, self._failure or "waiting to reopen")
-        self._reopen_at = time.monotonic() + self.REOPEN_EVERY
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(self.path, flags, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "not a regular file")
-        self._fd = fd
-        return fd
-
-    def _write_all(self, fd: int, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                written = os.write(fd, view)
-            except OSError:
-                self._partial = len(view) < len(data)
-                raise
-            view = view[written:]
-        self._partial = False
-
-    def _dropped(self, exc: OSError) -> None:
-        self.dropped += 1
-        if exc.errno == errno.EAGAIN:
-            return  # not reopened yet: already reported
-        reason = exc.strerror or str(exc)
-        if not self._failure:
-            log.warning("cannot write control log path=%s error=%s: dropping lines until it works", self.path, reason)
-        self._failure = reason
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            self.close()  # reopen later: the file or its directory may be back

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import dirs, drift, independent, multiuser, peer
+from . import dirs, drift, independent, logfiles, multiuser, peer
 from .computemode import ComputeMode
 from .config import Config
 from .control import Control
@@ -31,6 +31,7 @@ from .errors import ConfigError, ControlBusy, ControlError, ControlImpostor, Con
 from .faults import FaultHandler
 from .health import HealthBoard
 from .keeper import Keeper
+from .logonce import OncePerKey
 from .reload import DEFAULT_KEYS, _early_reloads, hold_reloads, merge_live  # noqa: F401 (hold_reloads: mpsd.cli)
 from .snapshot import Status
 from .units import format_limits
@@ -91,6 +92,7 @@ class Supervisor(AdoptionMixin):
         )
         self._uid_policy: multiuser.UidPolicy | None = None  # resolved once, at the first start
         self._waiting = multiuser.WaitingWatch(c.pipe_dir)
+        self._log_warned = OncePerKey(16)  # rotation failures, said once each
         self.loop_alive = threading.Event()
 
     # ---- thread-safe entry points
@@ -362,7 +364,18 @@ class Supervisor(AdoptionMixin):
             server_states=states,
             last_error=error,
         )
+        if isinstance(daemon, independent.AdoptedDaemon):  # a detached daemon writes its logs itself
+            self._rotate_logs(daemon.pid)
         self._next_at = time.monotonic() + self.config.health_interval
+
+    def _rotate_logs(self, pid: int) -> None:
+        c = self.config
+        try:
+            for path in logfiles.rotate_held(pid, c.log_dir, c.log_max_size, c.log_keep):
+                log.info("daemon log rotated path=%s (copied to .1 and truncated: the daemon writes it)", path)
+        except OSError as exc:
+            if self._log_warned.first(str(exc)):
+                log.warning("cannot rotate the daemon's log in %s: %s", c.log_dir, exc)
 
     def _refuse_impostor(self, daemon: DaemonProcess | independent.AdoptedDaemon,
                          names: tuple[str, ...] = peer.CONTROL_SOCKETS) -> None:
