@@ -41,6 +41,8 @@ LOOSENED = [
     ("MpsdServerInFault", "for", "5m", "0m"),
     ("MpsdClientWaitingForOtherUid", "for", "3m", "0m"),
     ("MpsdClientWaitingForOtherUid", "expr", "> 0", ">= 0"),
+    ("MpsdStandbyStuck", "for", "15m", "0m"),
+    ("MpsdStandbyStuck", "expr", "== 1", ">= 0"),
     ("MpsdHealthVerdictStale", "for", "5m", "0m"),
     ("MpsdHealthVerdictStale", "expr", " and mpsd_daemon_up == 1", ""),
     ("MpsdDefaultsRestored", "expr", "> 0", ">= 0"),
