@@ -12,6 +12,9 @@
 #include "log.h"
 
 #define LIMIT_VAR "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+#define MPSD_DEVICE_PREFIX "MPSD_DEVICE_"
+
+extern char **environ;
 
 static ms_state g_state;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -79,10 +82,43 @@ static void init_log_level(void)
         ms_log_set_level(level);
 }
 
+/* mpsd's DRA CDI devices each set MPSD_DEVICE_<hash>=<device> (mpsd/dra/cdi.py). A container
+ * given two of them (a whole claim of two requests, or two claims) gets one device's limits,
+ * thread percentage and region from the runtime's merge, and its other GPUs no cap at all: the
+ * number of them, and their names in ``names``. */
+static int mpsd_devices(char *names, size_t len)
+{
+    int n = 0;
+    size_t used = 0;
+    names[0] = '\0';
+    for (char **e = environ; e != NULL && *e != NULL; e++) {
+        if (strncmp(*e, MPSD_DEVICE_PREFIX, sizeof MPSD_DEVICE_PREFIX - 1) != 0)
+            continue;
+        const char *eq = strchr(*e, '=');
+        n++;
+        if (used < len) {
+            int w = snprintf(names + used, len - used, "%s%s", n > 1 ? ", " : "", eq != NULL ? eq + 1 : "");
+            used = w < 0 ? len : used + (size_t)w;
+        }
+    }
+    return n;
+}
+
 static void init_once(void)
 {
     ms_state *s = &g_state;
     init_log_level();
+    char devices[512];
+    int ndevices = mpsd_devices(devices, sizeof devices);
+    if (ndevices > 1) {
+        s->limits_bad = 1;
+        s->limits.count = 0;
+        ms_log(MS_LOG_ERROR,
+               "this container has %d mpsd devices (%s); a container may name one request of one mpsd "
+               "claim (docs/dra.md): cuInit fails with CUDA_ERROR_INVALID_VALUE and every allocation is refused",
+               ndevices, devices);
+        return;
+    }
     const char *text = getenv(LIMIT_VAR);
     if (text != NULL && text[0] != '\0') {
         char err[256];

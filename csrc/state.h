@@ -7,7 +7,10 @@
  *   MPSSHIM_REGION                      accounting file, an absolute path (relative → refused like a
  *                                       malformed limit); default /tmp/mpsshim-<uid>.region, which
  *                                       must belong to this UID; unusable → allocations on capped
- *                                       devices are refused */
+ *                                       devices are refused
+ *   MPSD_DEVICE_*                       one per mpsd DRA device given to the container; more than
+ *                                       one → refused like a malformed limit (one request of one
+ *                                       claim per container: docs/dra.md) */
 #ifndef MPSSHIM_STATE_H
 #define MPSSHIM_STATE_H
 
@@ -18,7 +21,8 @@
 #include "region.h"
 
 typedef struct ms_state {
-    int limits_bad;        /* CUDA_MPS_PINNED_DEVICE_MEM_LIMIT did not parse, or MPSSHIM_REGION is relative */
+    int limits_bad;        /* CUDA_MPS_PINNED_DEVICE_MEM_LIMIT did not parse, MPSSHIM_REGION is relative, or
+                              the container has several mpsd devices */
     ms_limits limits;      /* count == 0: nothing capped */
     int limits_by_uuid;    /* some entry is keyed by UUID */
     ms_region *region;     /* NULL when not needed or unusable */

@@ -21,6 +21,7 @@ deviceNodes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from ..sharing.v2 import V2Backend
 log = logging.getLogger(__name__)
 
 CDI_VERSION = "0.5.0"
+DEVICE_MARKER_PREFIX = "MPSD_DEVICE_"  # csrc/state.c MPSD_DEVICE_PREFIX
 CDI_KIND = "mpsd.io/claim"
 FILE_PREFIX = "mpsd.io-claim_"
 MAX_SPEC_BYTES = 1 << 20
@@ -128,6 +130,7 @@ def device(
     env = dict(grant.env)
     if "MPSSHIM_REGION" in env:
         env["MPSSHIM_REGION"] = f"{CONTAINER_REGION_DIR}/{region}"
+    env[device_marker(name)] = name  # the shim refuses a container with two (csrc/state.c)
     mounts = [_mount(m.host, m.container, read_only=m.read_only) for m in grant.mounts]  # as CDI mounts
     edits = {
         "env": [f"{k}={v}" for k, v in sorted(env.items())],
@@ -137,6 +140,14 @@ def device(
     if node_list:
         edits["deviceNodes"] = node_list
     return {"name": name, "containerEdits": edits}
+
+
+def device_marker(name: str) -> str:
+    """The variable only this device sets, ``MPSD_DEVICE_<16 hex digits of its name's SHA-256>``:
+    the runtime merges the environments of a container's CDI devices, so a container given several
+    mpsd devices has one of these each, while their limits, percentage and region overwrite one
+    another. The shim counts them and refuses more than one (docs/dra.md, Limitations)."""
+    return f"{DEVICE_MARKER_PREFIX}{hashlib.sha256(name.encode()).hexdigest()[:16].upper()}"
 
 
 def _mount(host: str, container: str, *, read_only: bool) -> dict:

@@ -153,9 +153,19 @@ def test_each_request_of_a_claim_has_its_own_cap_in_a_container(podman, env, two
 
     whole = kubelet.container_cdi_ids(entry)
     assert sorted(whole) == sorted([a, b])
-    r = podman.run(show, devices=whole, cdi_spec_dir=env.cdi_dir, timeout=120)
+    r = podman.run([*show[:2], show[2] + "; env | grep ^MPSD_DEVICE_ | sort"], devices=whole,
+                   cdi_spec_dir=env.cdi_dir, timeout=120)
     assert r.returncode == 0, r.output
     # MPS has one limit list and one percentage per process, the shim one region: the runtime's
     # merge of the two devices gives one request's three, never a mix (docs/dra.md, Limitations)
-    assert r.stdout.strip() in ("LIMIT=0=4G PCT=25 REGION=/run/mpsd/region-a",
-                                "LIMIT=0=2G PCT=10 REGION=/run/mpsd/region-b"), r.output
+    assert r.stdout.splitlines()[0] in ("LIMIT=0=4G PCT=25 REGION=/run/mpsd/region-a",
+                                        "LIMIT=0=2G PCT=10 REGION=/run/mpsd/region-b"), r.output
+    markers = sorted(line.split("=", 1)[1] for line in r.stdout.splitlines()[1:])
+    assert markers == ["uid-c_a", "uid-c_b"], r.output  # each device's own variable survives the merge
+
+    # ... so the shim in such a container refuses CUDA rather than cap one request and not the other
+    r = podman.run([*client, "alloc", str(1 * GIB)], devices=whole, cdi_spec_dir=env.cdi_dir,
+                   mounts=[*HOST_LIBS, Mount(fake_cuda_dir, "/opt/fake"), Mount(cuclient.parent, "/opt/client")],
+                   env={"LD_LIBRARY_PATH": "/opt/fake", "FAKE_CUDA_DEVICES": "16G"}, timeout=120)
+    assert ("init", 1) in rcs(r.stdout), r.output  # CUDA_ERROR_INVALID_VALUE
+    assert "this container has 2 mpsd devices (uid-c_" in r.output and "one request of one mpsd claim" in r.output

@@ -133,3 +133,18 @@ def test_no_limit_means_no_region_and_no_output(shim: ShimEnv, tmp_path: Path) -
     assert r.of("info")[0]["total"] == 16 * G
     assert not region.exists()
     assert r.stderr_lines == []
+
+
+def test_a_container_with_two_mpsd_devices_fails_cuda_init_with_one_line(shim: ShimEnv) -> None:
+    """Two mpsd DRA devices in one container (mpsd/dra/cdi.py device_marker): the runtime kept one
+    device's limit and region, so no cap holds for the other: CUDA is refused as for a malformed limit."""
+    two = {"MPSD_DEVICE_0A1B2C3D4E5F6A7B": "uid-c_a", "MPSD_DEVICE_1A1B2C3D4E5F6A7B": "uid-c_b"}
+    r = shim.run("gpa2", ["init", "ctx", 0, "alloc", M, "calls", "cuInit"], limit="0=4G", extra=two)
+    assert r.rcs("init") == [1] and r.rcs("alloc") == [2]
+    assert [line["n"] for line in r.of("calls")] == [0]  # the real cuInit never ran
+    assert len(r.stderr_lines) == 1, r.stderr
+    assert "this container has 2 mpsd devices (uid-c_a, uid-c_b)" in r.stderr_lines[0]
+
+    one = shim.run("gpa2", ["init", "ctx", 0, "alloc", M], limit="0=4G",
+                   extra={"MPSD_DEVICE_0A1B2C3D4E5F6A7B": "uid-c_a"})
+    assert one.rcs("init") == [0] and one.rcs("alloc") == [0] and one.stderr_lines == []
