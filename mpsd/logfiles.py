@@ -57,33 +57,47 @@ def copy_truncate(path: str, max_size: int, keep: int) -> bool:
         if info.st_size <= max_size:
             return False
         if keep:
-            _shift_rotated(path, keep)
-            _copy_tail(fd, info.st_size, max_size, f"{path}.1")
+            copy = _copy_tail(fd, info.st_size, max_size, f"{path}.1.tmp")
+            try:  # the kept copies move on only once the new one is whole
+                _shift_rotated(path, keep)
+                os.rename(copy, f"{path}.1")
+            except OSError:
+                _unlink(copy)
+                raise
         os.ftruncate(fd, 0)
         return True
     finally:
         os.close(fd)
 
 
-def _copy_tail(fd: int, size: int, count: int, dest: str) -> None:
-    """The last ``count`` bytes of the first ``size`` of ``fd`` to ``dest``, replaced whole."""
-    tmp = f"{dest}.tmp"
-    try:
-        os.unlink(tmp)  # left by a copy that was cut short; a link is removed, not followed
-    except FileNotFoundError:
-        pass
+def _copy_tail(fd: int, size: int, count: int, tmp: str) -> str:
+    """The last ``count`` bytes of the first ``size`` of ``fd`` to a new file ``tmp`` (one left by
+    a copy cut short is replaced; a link is removed, not followed); ``tmp``. OSError, and no
+    ``tmp``, when they cannot all be written (a full disk, a quota)."""
+    _unlink(tmp)
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        offset = max(0, size - count)
-        while offset < size:
-            chunk = os.pread(fd, min(COPY_CHUNK, size - offset), offset)
-            if not chunk:
-                break
-            os.write(out, chunk)
-            offset += len(chunk)
-    finally:
-        os.close(out)
-    os.rename(tmp, dest)
+        try:
+            offset = max(0, size - count)
+            while offset < size:
+                chunk = os.pread(fd, min(COPY_CHUNK, size - offset), offset)
+                if not chunk:
+                    break
+                written = os.write(out, chunk)  # short on a disk that fills up: the rest is tried again
+                offset += written
+        finally:
+            os.close(out)
+    except OSError:
+        _unlink(tmp)
+        raise
+    return tmp
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def held_by(pid: int, log_dir: str, names: tuple[str, ...] = HELD_NAMES) -> list[str]:

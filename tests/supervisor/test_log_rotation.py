@@ -184,3 +184,40 @@ def test_a_detached_daemons_own_logs_are_copied_and_truncated(make_config, run_s
             r.stop()
         while (held := genuine.control_lock_holder(config.pipe_dir)) is not None:
             kill_and_reap(held)
+
+
+# ---- found in review: a log removed by someone else, a copy that cannot be written whole
+
+
+COPY_UNDER_FSIZE_LIMIT = """
+import os, resource, signal, sys
+from mpsd import logfiles
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+try:
+    logfiles.copy_truncate(sys.argv[1], max_size=4096, keep=2)
+except OSError as exc:
+    print("OSError", exc.errno)
+else:
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("room", [0, 1000])  # no byte of room, room for a part of the copy
+def test_a_copy_that_cannot_be_written_whole_leaves_the_log_and_the_older_copies_as_they_were(tmp_path, room):
+    """The kernel cuts the copy short (here RLIMIT_FSIZE, as a full disk or quota does): a short
+    write must not pass for the whole copy (the newest lines then lost with the truncation), and
+    a failed copy must neither leave its temporary file nor push the kept copies one step on."""
+    path = tmp_path / "server.log"
+    content = b"".join(LINE.replace(b"2149", b"%04d" % i) for i in range(100))
+    path.write_bytes(content)
+    (tmp_path / "server.log.1").write_bytes(b"copy 1\n")
+    (tmp_path / "server.log.2").write_bytes(b"copy 2\n")
+    r = subprocess.run([sys.executable, "-c", COPY_UNDER_FSIZE_LIMIT, str(path), str(room)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "OSError", r.stdout  # said (the supervisor warns), not a success
+    assert path.read_bytes() == content  # nothing truncated: the lines stay where they were
+    assert sorted(os.listdir(tmp_path)) == ["server.log", "server.log.1", "server.log.2"]
+    assert (tmp_path / "server.log.1").read_bytes() == b"copy 1\n"
+    assert (tmp_path / "server.log.2").read_bytes() == b"copy 2\n"
