@@ -143,7 +143,8 @@ class LogFile:
     most every REOPEN_EVERY seconds): writing resumes once there is space, with a line saying
     how many were lost. Opened without following links; anything but a regular file is refused.
     A rotation that fails is said once and tried again ROTATE_RETRY seconds later, the lines
-    going on to the file meanwhile."""
+    going on to the file meanwhile. A file removed or moved away by someone else (``rm``, an
+    outside logrotate) is created again when the size is reached, rather than grown out of sight."""
 
     REOPEN_EVERY = 1.0
     ROTATE_RETRY = 60.0
@@ -201,6 +202,8 @@ class LogFile:
         now = time.monotonic()
         if now < self._rotate_at:
             return fd
+        if not self._at_path(fd):  # removed or moved away by someone else: a new file there, nothing shifted
+            return self._reopen()
         try:
             shift(self.path, self.keep)
         except OSError as exc:
@@ -209,9 +212,23 @@ class LogFile:
                         self.path, exc.strerror or exc, self.ROTATE_RETRY)
             return fd
         self.rotations += 1
+        return self._reopen()
+
+    def _reopen(self) -> int:
         self.close()
         self._reopen_at = 0.0
         return self._open()
+
+    def _at_path(self, fd: int) -> bool:
+        """False if ``fd`` is no longer the file at ``path`` (removed, renamed, replaced)."""
+        try:
+            there = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # shift says why
+        held = os.fstat(fd)
+        return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
 
     def _write_all(self, fd: int, data: bytes) -> None:
         view = memoryview(data)

@@ -189,6 +189,26 @@ def test_a_detached_daemons_own_logs_are_copied_and_truncated(make_config, run_s
 # ---- found in review: a log removed by someone else, a copy that cannot be written whole
 
 
+def test_a_control_log_removed_by_someone_else_is_created_again_at_the_next_rotation(tmp_path):
+    """An operator's ``rm control.log`` (or an outside logrotate moving it away): the lines must
+    not go on to the deleted file for ever, growing out of sight past logMaxSize."""
+    path = tmp_path / "control.log"
+    (tmp_path / "control.log.1").write_bytes(b"older\n")
+    numbered = [LINE.replace(b"2149", b"%04d" % i) for i in range(25)]
+    log = LogFile(str(path), max_size=10 * len(LINE), keep=2)
+    try:
+        for i, line in enumerate(numbered):
+            if i == 5:
+                path.unlink()
+            assert log.write(line) is True
+        held = os.fstat(log._fd)
+    finally:
+        log.close()
+    assert held.st_nlink == 1 and held.st_ino == path.stat().st_ino  # writing to control.log, not a ghost
+    assert (tmp_path / "control.log.2").read_bytes() == b"older\n"  # shifted once, by a real rotation
+    assert lines_of(tmp_path / "control.log.1", path) == numbered[10:]  # 5..9 went with the removed file
+
+
 COPY_UNDER_FSIZE_LIMIT = """
 import os, resource, signal, sys
 from mpsd import logfiles
