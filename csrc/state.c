@@ -13,6 +13,7 @@
 
 #define LIMIT_VAR "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 #define MPSD_DEVICE_PREFIX "MPSD_DEVICE_"
+#define MPSD_DEVICE_HEX 16 /* mpsd/dra/cdi.py device_marker */
 
 extern char **environ;
 
@@ -86,13 +87,25 @@ static void init_log_level(void)
  * given two of them (a whole claim of two requests, or two claims) gets one device's limits,
  * thread percentage and region from the runtime's merge, and its other GPUs no cap at all: the
  * number of them, and their names in ``names``. */
+/* MPSD_DEVICE_ and 16 upper-case hex digits, then '=': not MPSD_DEVICE_PLUGIN (mpsd's own setting). */
+static int is_device_marker(const char *entry)
+{
+    const size_t prefix = sizeof MPSD_DEVICE_PREFIX - 1;
+    if (strncmp(entry, MPSD_DEVICE_PREFIX, prefix) != 0)
+        return 0;
+    for (size_t i = prefix; i < prefix + MPSD_DEVICE_HEX; i++)
+        if (!((entry[i] >= '0' && entry[i] <= '9') || (entry[i] >= 'A' && entry[i] <= 'F')))
+            return 0;
+    return entry[prefix + MPSD_DEVICE_HEX] == '=';
+}
+
 static int mpsd_devices(char *names, size_t len)
 {
     int n = 0;
     size_t used = 0;
     names[0] = '\0';
     for (char **e = environ; e != NULL && *e != NULL; e++) {
-        if (strncmp(*e, MPSD_DEVICE_PREFIX, sizeof MPSD_DEVICE_PREFIX - 1) != 0)
+        if (!is_device_marker(*e))
             continue;
         const char *eq = strchr(*e, '=');
         n++;

@@ -145,6 +145,8 @@ def test_a_container_with_two_mpsd_devices_fails_cuda_init_with_one_line(shim: S
     assert len(r.stderr_lines) == 1, r.stderr
     assert "this container has 2 mpsd devices (uid-c_a, uid-c_b)" in r.stderr_lines[0]
 
+    # one device, beside variables that merely start alike (mpsd's own MPSD_DEVICE_PLUGIN setting)
     one = shim.run("gpa2", ["init", "ctx", 0, "alloc", M], limit="0=4G",
-                   extra={"MPSD_DEVICE_0A1B2C3D4E5F6A7B": "uid-c_a"})
+                   extra={"MPSD_DEVICE_0A1B2C3D4E5F6A7B": "uid-c_a", "MPSD_DEVICE_PLUGIN": "true",
+                          "MPSD_DEVICE_0A1B2C3D4E5F6A7": "15 digits", "MPSD_DEVICE_0a1b2c3d4e5f6a7b": "lower"})
     assert one.rcs("init") == [0] and one.rcs("alloc") == [0] and one.stderr_lines == []
