@@ -47,8 +47,9 @@ def _shift_rotated(path: str, keep: int) -> None:
 
 
 def copy_truncate(path: str, max_size: int, keep: int) -> bool:
-    """If the regular file ``path`` is over ``max_size`` bytes: its newest ``max_size`` bytes to
-    ``path.1`` (older copies shifted, see shift), then ``path`` truncated to 0. True if it was."""
+    """If the regular file ``path`` is over ``max_size`` bytes: its newest ``max_size`` bytes, from
+    the first whole line among them, to ``path.1`` (older copies shifted, see shift), then
+    ``path`` truncated to 0. True if it was."""
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
@@ -78,7 +79,7 @@ def _copy_tail(fd: int, size: int, count: int, tmp: str) -> str:
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
-            offset = max(0, size - count)
+            offset = _line_start(fd, max(0, size - count), size)
             while offset < size:
                 chunk = os.pread(fd, min(COPY_CHUNK, size - offset), offset)
                 if not chunk:
@@ -91,6 +92,16 @@ def _copy_tail(fd: int, size: int, count: int, tmp: str) -> str:
         _unlink(tmp)
         raise
     return tmp
+
+
+def _line_start(fd: int, offset: int, size: int) -> int:
+    """``offset``, or where the first whole line from it starts (a copy begins with no half line),
+    if a line ends within COPY_CHUNK bytes of it and before ``size``."""
+    if offset == 0:
+        return 0
+    ahead = os.pread(fd, min(COPY_CHUNK, size - offset + 1), offset - 1)
+    end = ahead.find(b"\n")
+    return offset if end < 0 or offset + end >= size else offset + end
 
 
 def _unlink(path: str) -> None:
