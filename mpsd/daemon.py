@@ -103,8 +103,7 @@ class DaemonProcess:
         self.returncode: int | None = None
         self.retired_because = ""  # why the supervisor killed it, if it did
         self.on_line: Callable[[str], None] | None = None  # sees each line it prints (contest.WriterWatch)
-        self._log_path = os.path.join(config.log_dir, "control.log")
-        self._log_max_size, self._log_keep = config.log_max_size, config.log_keep
+        self._log = LogFile(os.path.join(config.log_dir, "control.log"), config.log_max_size, config.log_keep)
         self.last_line = ""  # the daemon's last line of output (why it exited at start, say)
         self._pump_thread = threading.Thread(target=self._pump, name=f"mps-log-{self.pid}", daemon=True)
         self._pump_thread.start()
@@ -118,7 +117,7 @@ class DaemonProcess:
         """Copy the daemon's output to control.log until it closes. The output is always read,
         whatever the file does: a daemon whose stdout fills up blocks, and with it every client."""
         assert self.proc.stdout is not None
-        out = LogFile(self._log_path, self._log_max_size, self._log_keep)
+        out = self._log  # opened at its first line
         with self.proc.stdout:
             for line in self.proc.stdout:
                 out.write(line)

@@ -50,11 +50,8 @@ def copy_truncate(path: str, max_size: int, keep: int) -> bool:
     """If the regular file ``path`` is over ``max_size`` bytes: its newest ``max_size`` bytes, from
     the first whole line among them, to ``path.1`` (older copies shifted, see shift), then
     ``path`` truncated to 0. True if it was."""
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd, info = _open_regular(path, os.O_RDWR)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
         if info.st_size <= max_size:
             return False
         if keep:
@@ -69,6 +66,17 @@ def copy_truncate(path: str, max_size: int, keep: int) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _open_regular(path: str, flags: int) -> tuple[int, os.stat_result]:
+    """``path`` opened with ``flags``, never through a link nor waiting on a FIFO, and its
+    stat; OSError (EINVAL) for anything but a regular file."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd, info
 
 
 def _copy_tail(fd: int, size: int, count: int, tmp: str) -> str:
@@ -200,12 +208,7 @@ class LogFile:
         if time.monotonic() < self._reopen_at:
             raise OSError(errno.EAGAIN, self._failure or "waiting to reopen")
         self._reopen_at = time.monotonic() + self.REOPEN_EVERY
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(self.path, flags, 0o644)
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "not a regular file")
+        fd, info = _open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self._fd, self._size = fd, info.st_size
         return fd
 
