@@ -83,34 +83,35 @@ static void init_log_level(void)
         ms_log_set_level(level);
 }
 
-/* mpsd's DRA CDI devices each set MPSD_DEVICE_<hash>=<device> (mpsd/dra/cdi.py). A container
- * given two of them (a whole claim of two requests, or two claims) gets one device's limits,
- * thread percentage and region from the runtime's merge, and its other GPUs no cap at all: the
- * number of them, and their names in ``names``. */
-/* MPSD_DEVICE_ and 16 upper-case hex digits, then '=': not MPSD_DEVICE_PLUGIN (mpsd's own setting). */
-static int is_device_marker(const char *entry)
+/* MPSD_DEVICE_, 16 upper-case hex digits and '=' (mpsd/dra/cdi.py device_marker): the device
+ * the entry names; NULL for any other entry (mpsd's own MPSD_DEVICE_PLUGIN setting among them). */
+static const char *device_marker_value(const char *entry)
 {
     const size_t prefix = sizeof MPSD_DEVICE_PREFIX - 1;
     if (strncmp(entry, MPSD_DEVICE_PREFIX, prefix) != 0)
-        return 0;
+        return NULL;
     for (size_t i = prefix; i < prefix + MPSD_DEVICE_HEX; i++)
         if (!((entry[i] >= '0' && entry[i] <= '9') || (entry[i] >= 'A' && entry[i] <= 'F')))
-            return 0;
-    return entry[prefix + MPSD_DEVICE_HEX] == '=';
+            return NULL;
+    return entry[prefix + MPSD_DEVICE_HEX] == '=' ? entry + prefix + MPSD_DEVICE_HEX + 1 : NULL;
 }
 
+/* mpsd's DRA CDI devices each set a marker (above). A container given two of them (a whole claim
+ * of two requests, or two claims) gets one device's limits, thread percentage and region from the
+ * runtime's merge, and its other GPUs no cap at all: the number of them, and their names in
+ * ``names``. */
 static int mpsd_devices(char *names, size_t len)
 {
     int n = 0;
     size_t used = 0;
     names[0] = '\0';
     for (char **e = environ; e != NULL && *e != NULL; e++) {
-        if (!is_device_marker(*e))
+        const char *device = device_marker_value(*e);
+        if (device == NULL)
             continue;
-        const char *eq = strchr(*e, '=');
         n++;
         if (used < len) {
-            int w = snprintf(names + used, len - used, "%s%s", n > 1 ? ", " : "", eq != NULL ? eq + 1 : "");
+            int w = snprintf(names + used, len - used, "%s%s", n > 1 ? ", " : "", device);
             used = w < 0 ? len : used + (size_t)w;
         }
     }
