@@ -458,10 +458,8 @@ class Supervisor(AdoptionMixin):
                 self._defaults.stale = True
                 message = f"new defaults not applied yet, trying again at the next health check: {exc}"
                 log.error("%s", message)
-                self.board.update(last_error=message)
-                self._publish(last_error=message)
-                return message
-        message = self._defaults.reload(self.control(), self.config, self._devices())
+        else:
+            message = self._defaults.reload(self.control(), self.config, self._devices())
         if self._defaults.stale:
             self.board.update(last_error=message)
             self._publish(last_error=message)
