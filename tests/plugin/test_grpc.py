@@ -217,7 +217,7 @@ def test_kubelet_restart_leads_to_registration_again(started, env, kubelet):
         assert new.requests[0].endpoint == os.path.basename(plugin.socket_path)
         _, s = stub(plugin)
         assert s.GetDevicePluginOptions(EMPTY, timeout=5).get_preferred_allocation_available
-        assert plugin.registrations == 2
+        assert wait_for(lambda: plugin.registrations == 2)  # counted once Register has returned, after the kubelet saw it
     finally:
         new.stop()
 
