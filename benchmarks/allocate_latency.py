@@ -33,10 +33,10 @@ import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpsd.health import HealthBoard  # noqa: E402
+from mpsd.lifecycle.health import HealthBoard  # noqa: E402
 from mpsd.plugin import DevicePlugin, api_pb2, api_pb2_grpc  # noqa: E402
-from mpsd.plugin.response import HostPaths  # noqa: E402
-from mpsd.plugin.slicing import advertised_ids, plan_allocation  # noqa: E402
+from mpsd.alloc.container import HostPaths  # noqa: E402
+from mpsd.alloc.slicing import advertised_ids, plan_allocation  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,14 @@ from mpsd.dra import dra_v1_pb2, dra_v1_pb2_grpc  # noqa: E402
 from mpsd.dra.cdi import CdiDir  # noqa: E402
 from mpsd.dra.kubeletplugin import DraPlugin  # noqa: E402
 from mpsd.dra.prepared import PreparedClaim, Preparer  # noqa: E402
-from mpsd.inventory import Gpu  # noqa: E402
+from mpsd.inventory.nvml import Gpu  # noqa: E402
 
 try:  # NVIDIA's CDI specs looked up on every answer, as mpsd run does (none here); absent before it existed
     from mpsd.dra.nvidiacdi import NvidiaSpecs  # noqa: E402
 except ImportError:
     NvidiaSpecs = None
-from mpsd.plugin.response import HostPaths  # noqa: E402
-from mpsd.plugin.state import StateStore  # noqa: E402
+from mpsd.alloc.container import HostPaths  # noqa: E402
+from mpsd.alloc.state import StateStore  # noqa: E402
 
 NODE = "bench-node"
 GIB = 1 << 30

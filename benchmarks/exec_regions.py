@@ -1,4 +1,4 @@
-"""One round of `mpsd run`'s reader of `mpsd exec` regions (mpsd.exec_regions.ExecRegions) over
+"""One round of `mpsd run`'s reader of `mpsd exec` regions (mpsd.metrics.regions.ExecRegions) over
 regions of the wrong size: what a local user's oversized files cost each metrics round.
 
     .venv/bin/python benchmarks/exec_regions.py [--files 40] [--size 64M] [--library PATH]
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from mpsd.exec_regions import ExecRegions
+from mpsd.metrics.regions import ExecRegions
 from mpsd.units import parse_size
 
 

@@ -27,8 +27,8 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, args.repo)
     from mpsd import config as cfg
-    from mpsd.health import HealthBoard
-    from mpsd.supervisor import Supervisor
+    from mpsd.lifecycle.health import HealthBoard
+    from mpsd.lifecycle.supervisor import Supervisor
 
     here = Path(__file__).resolve().parent.parent
     sys.path.insert(1, str(here))

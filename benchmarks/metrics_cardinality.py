@@ -6,8 +6,8 @@
 A node as mpsd sees it: ``--pods`` device-plugin allocations (110 is the kubelet's default pod
 limit), ``--regions`` mpsd exec regions (256 is the most one round reads) with ``--processes``
 live processes each, every pod and region process an NVML MPS client, on ``--gpus`` GPUs. The
-values go into mpsd.metrics.Metrics through the setters mpsd calls, and /metrics is fetched over
-HTTP from mpsd's own server (mpsd.metrics.serve), as Prometheus fetches it.
+values go into mpsd.registry.Metrics through the setters mpsd calls, and /metrics is fetched over
+HTTP from mpsd's own server (mpsd.metrics.http.serve), as Prometheus fetches it.
 
 1. series: the series count at 0, 1/4, 1/2 and all of the pods and regions, and with one more
    process per region: it must grow by a constant number per pod, per region and per process.
@@ -32,9 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mpsd.exec_regions import RegionUsage  # noqa: E402
-from mpsd.inventory import Client, Gpu  # noqa: E402
-from mpsd.metrics import AllocationUsage, ClaimUsage, Metrics, serve  # noqa: E402
+from mpsd.metrics.regions import RegionUsage  # noqa: E402
+from mpsd.inventory.nvml import Client, Gpu  # noqa: E402
+from mpsd.plugin.metrics import AllocationUsage  # noqa: E402
+from mpsd.dra.metrics import ClaimUsage
+from mpsd.registry import Metrics
+from mpsd.metrics.http import serve
 
 G = 1 << 30
 

@@ -26,10 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpsd import config as cfg  # noqa: E402
-from mpsd.control import Control  # noqa: E402
+from mpsd.daemon.control import Control  # noqa: E402
 from mpsd.errors import ControlError  # noqa: E402
-from mpsd.health import HealthBoard  # noqa: E402
-from mpsd.supervisor import Supervisor  # noqa: E402
+from mpsd.lifecycle.health import HealthBoard  # noqa: E402
+from mpsd.lifecycle.supervisor import Supervisor  # noqa: E402
 
 G = 1 << 30
 

@@ -15,7 +15,7 @@ p99 and the worst time from the new mpsd's spawn to its first /readyz 200, and h
 was the interpreter starting and importing (spawn to mpsd's first log record) rather than the
 adoption (first log record to ready: NVML, the metrics server, the proof, one health check).
 
-``--surge``: the DaemonSet's maxSurge rollout instead (mpsd/standby.py). Each round starts a new
+``--surge``: the DaemonSet's maxSurge rollout instead (mpsd/lifecycle/standby.py). Each round starts a new
 ``mpsd run`` (a POD_UID of its own, its own metrics port) beside the running one, waits for its
 /readyz 200 (it stands by), then SIGTERMs the old one, as the DaemonSet controller does once the
 new pod is Ready, and waits for the new one to adopt the daemon; the next round replaces that
@@ -24,7 +24,7 @@ from its first 200 until 0.5 s after the adoption, never answered anything else.
 p99 and the worst of: spawn to /readyz 200, spawn to the adoption (its log record), and the old
 mpsd's SIGTERM to the adoption (the old one's shutdown, then the standby's next try of the lock).
 No kubelet face runs here: /readyz is the standby's proof of the daemon
-(tests/supervisor/test_standby_faces.py runs the same sequence with the DRA and device plugin faces).
+(tests/lifecycle/test_standby_faces.py runs the same sequence with the DRA and device plugin faces).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import threading
 from typing import Callable, Mapping, NoReturn, Sequence
 
 from . import config as cfg
-from .clientenv import client_env
-from .frameworks import VARIABLES as FRAMEWORK_VARIABLES
+from .alloc.clientenv import client_env
+from .alloc.frameworks import VARIABLES as FRAMEWORK_VARIABLES
 from .errors import ConfigError, MpsdError, one_line, printable
 from .trees import remove_tree
 from .units import parse_limits, parse_percentage, parse_size
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     args = build_parser().parse_args(argv)
     if args.command == "run":  # a SIGHUP from now on is a reload, even before the loop runs
-        from .supervisor import hold_reloads
+        from .config.reload import hold_reloads
 
         hold_reloads()
     try:
@@ -158,11 +158,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             print(f"{remove_slices(config, args.node)} ResourceSlice(s) of {config.dra.driver_name} deleted")
             return 0
         if args.command == "holder":
-            from .holder import holder_main
+            from .lifecycle.holder import holder_main
 
             return holder_main(config)
         if args.command == "stop-daemon":
-            from .independent import stop_daemon
+            from .lifecycle.independent import stop_daemon
 
             print(printable(stop_daemon(config)))
             return 0
@@ -248,8 +248,8 @@ def _exec(args: argparse.Namespace, config: cfg.Config, env: Mapping[str, str]) 
         region = os.path.join(made_region, "region")
     child_env = dict(env)
     pipe_dir = config.pipe_dir
-    if args.mig_instance is not None:  # the instance's own daemon (mpsd/mig_fleet.py); it is the server's device 0
-        from .mig_fleet import served_pipe_dir
+    if args.mig_instance is not None:  # the instance's own daemon (mpsd/mig/fleet.py); it is the server's device 0
+        from .mig.fleet import served_pipe_dir
 
         pipe_dir = served_pipe_dir(config, args.mig_instance)
         child_env.pop("CUDA_VISIBLE_DEVICES", None)

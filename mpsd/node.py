@@ -1,6 +1,6 @@
 """The wiring of ``mpsd run``: the supervisor, the NVML inventory, metrics and probes, and
 the device plugin, started in order and stopped in reverse. The control daemon's child
-process is mpsd/daemon.py; the loop that keeps it alive is mpsd/supervisor.py."""
+process is mpsd/daemon/process.py; the loop that keeps it alive is mpsd/lifecycle/supervisor.py."""
 
 from __future__ import annotations
 
@@ -12,21 +12,20 @@ import threading
 from typing import Callable
 
 from . import config as cfg
-from . import dirs
+from .daemon import dirs
 from .errors import InventoryError, MpsdError
-from .exec_regions import ExecRegions
-from .health import HealthBoard
-from .standby import Standby
-from .supervisor import Status, Supervisor
+from .logs import LOG_FORMAT
+from .metrics.regions import ExecRegions
+from .lifecycle.health import HealthBoard
+from .lifecycle.standby import Standby
+from .lifecycle.supervisor import Status, Supervisor
 
 log = logging.getLogger(__name__)
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def open_inventory(config: cfg.Config):
     try:
-        from .inventory import Inventory
+        from .inventory.nvml import Inventory
 
         return Inventory(library_path=config.nvml_library)
     except (InventoryError, ImportError, OSError) as exc:
@@ -38,7 +37,7 @@ def managed_gpus(gpus: list, visible_devices: str | None) -> list:
     """The GPUs the daemon serves: those ``visibleDevices`` names by index (nvidia-smi's
     numbering, which the daemon gets through CUDA_DEVICE_ORDER=PCI_BUS_ID) or UUID; all of
     them without it, or when it names MIG devices (NVML's GPU list cannot match those).
-    Never a GPU in MIG mode: MPS cannot use it whole (its instances are mpsd/mig_fleet.py's)."""
+    Never a GPU in MIG mode: MPS cannot use it whole (its instances are mpsd/mig/fleet.py's)."""
     gpus = [g for g in gpus if not getattr(g, "mig_enabled", False)]
     if not visible_devices:
         return list(gpus)
@@ -72,7 +71,7 @@ class InventoryPump:
         on_listing: Callable[[list], None] | None = None,
     ) -> None:
         self._inventory, self._metrics, self._board = inventory, metrics, board
-        self._regions = regions  # mpsd.exec_regions.ExecRegions: read in this thread too
+        self._regions = regions  # mpsd.metrics.regions.ExecRegions: read in this thread too
         self._on_listing = on_listing  # each round's GPU listing (MIG: the instances read and served)
         self.listed: list = []  # the last successful listing
         self._visible_devices = visible_devices
@@ -170,7 +169,7 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
     anything else touches the pipe dir, and kept until the daemon is gone or let go (its
     supervision over: a standby may take over while the kubelet faces stop). As an instance
     of a rollout (independent lifecycle, ``POD_UID``), it stands by for the lock instead
-    (mpsd/standby.py)."""
+    (mpsd/lifecycle/standby.py)."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger().setLevel(config.log_level.upper())
     standby = None
@@ -203,11 +202,12 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby:
     gpus = _gpu_lister(inventory, config.visible_devices)
     metrics = server = None
     if config.metrics_address:
-        from .metrics import Metrics, serve
+        from .registry import Metrics
+        from .metrics.http import serve
 
         metrics = Metrics()
     regions = exec_regions(config, metrics)
-    from .mig_node import MigNode  # docs/mig.md: a daemon per MIG instance
+    from .mig.node import MigNode  # docs/mig.md: a daemon per MIG instance
 
     mig = MigNode.create(config, board, inventory, metrics)
     pump = InventoryPump(inventory, metrics, board, config.visible_devices, regions,
@@ -242,7 +242,7 @@ def _serve(config: cfg.Config, reload: Callable[[], cfg.Config] | None, standby:
     plugin = (_start_plugin(config, board, mig.plugin_metrics(metrics) if mig else metrics, gpus, stop_plugin,
                             backend) if config.device_plugin.enabled else None)
     if mig is not None:  # MIG slices: per-profile device plugins, DRA devices of the instances
-        from .mig_plugin import run_mig_plugins
+        from .mig.plugin import run_mig_plugins
 
         if config.device_plugin.enabled:
             mig_plugins = _start_service("MIG device plugins", lambda: run_mig_plugins, config, board,
@@ -326,6 +326,7 @@ def shim_library_path(config: cfg.Config) -> str:
 
 def sharing_backend(config: cfg.Config, inventory, gpus):
     """The node's sharing backend (mpsd/sharing), chosen once; SetupError when mps.protocol 3 cannot be had."""
+    from .lifecycle.v3 import supervision_for
     from .sharing.build import build, choose_for, describe, record
 
     driver = None
@@ -340,7 +341,8 @@ def sharing_backend(config: cfg.Config, inventory, gpus):
         from .sharing.memory import NvmlLimits
 
         nvml = NvmlLimits()
-    backend, v3 = build(config, choice, gpus, nvml)
+    backend = build(config, choice, gpus, nvml)
+    v3 = supervision_for(backend, config)
     log.info("sharing backend %s", describe(backend, choice))
     record(config.state_dir, backend, choice)  # for mpsd status
     return backend, v3

@@ -11,10 +11,11 @@ from dataclasses import asdict
 from typing import Any
 
 from . import config as cfg
-from . import drift, multiuser, peer
-from .control import Control, PsEntry
+from .daemon import drift, multiuser, peer
+from .daemon.control import Control, PsEntry
 from .errors import ControlBusy, ControlError, DaemonNotRunning, InventoryError, MpsdError, printable
-from .node import LOG_FORMAT, open_inventory
+from .logs import LOG_FORMAT
+from .node import open_inventory
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def collect_status(config: cfg.Config, control: Control | None = None, inventory
         "gpus": [],
         "clients": [],
         "multiUser": None,  # the daemon serves every UID from one server (None: cannot tell)
-        "waiting": [],  # clients waiting for another UID's server (mpsd.multiuser)
+        "waiting": [],  # clients waiting for another UID's server (mpsd.daemon.multiuser)
     }
     from .sharing.build import read_record
 
@@ -88,8 +89,8 @@ def _collect_v2(control: Control, config: cfg.Config, out: dict[str, Any]) -> No
 
 
 def _collect_v3(config: cfg.Config, out: dict[str, Any]) -> None:
-    """An MPS v3 daemon: its servers and their namespaces (mpsd/control3.py)."""
-    from .control3 import Control3
+    """An MPS v3 daemon: its servers and their namespaces (mpsd/daemon/control3.py)."""
+    from .daemon.control3 import Control3
 
     control = Control3(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout)
     try:

@@ -1,5 +1,5 @@
-"""shim.framework_env: mpsd.frameworks, the one source of the framework variables."""
+"""shim.framework_env: mpsd.alloc.frameworks, the one source of the framework variables."""
 
-from mpsd.frameworks import FRAMEWORKS, framework_env
+from mpsd.alloc.frameworks import FRAMEWORKS, framework_env
 
 __all__ = ["FRAMEWORKS", "framework_env"]

@@ -1,5 +1,5 @@
 """A node whose ``mpsd run`` is replaced under a running control daemon (``daemonLifecycle:
-independent``), for tests/supervisor/test_rollout.py and benchmarks/rollout.py: real ``mpsd run``
+independent``), for tests/lifecycle/test_rollout.py and benchmarks/rollout.py: real ``mpsd run``
 and ``mpsd holder`` processes, the real nvidia-cuda-mps-control, and an ``mpsd exec`` client (the
 fake CUDA driver under libmpsshim.so) holding memory in its region.
 """
@@ -18,8 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpsd import genuine
-from mpsd.control import Control
+from mpsd.daemon import genuine
+from mpsd.daemon.control import Control
 from mpsd.errors import ControlError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 import threading
 
-from mpsd.clientenv import client_env
-from mpsd.health import HealthBoard
+from mpsd.alloc.clientenv import client_env
+from mpsd.lifecycle.health import HealthBoard
 
 
 def test_board_update_bumps_generation_only_on_change():
@@ -34,7 +34,7 @@ def test_client_env_full_slice():
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G",
         "LD_PRELOAD": "/opt/libmpsshim.so",
         "MPSSHIM_REGION": "/run/mpsd/region",
-        # processes sharing a region's cap: frameworks allocate on demand (mpsd/frameworks.py)
+        # processes sharing a region's cap: frameworks allocate on demand (mpsd/alloc/frameworks.py)
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
     }

@@ -31,8 +31,8 @@ import stat
 from typing import Iterable
 
 from ..errors import DraError
-from ..plugin.response import CONTAINER_REGION_DIR, HostPaths
-from ..plugin.slicing import Plan
+from ..alloc.container import CONTAINER_REGION_DIR, HostPaths
+from ..alloc.slicing import Plan
 from ..sharing import Grant, SliceRequest
 from ..sharing.v2 import V2Backend
 

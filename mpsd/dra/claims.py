@@ -19,7 +19,7 @@ For one claim and this driver and node:
   other, in proportion to the device: ``memory: 4Gi`` of an 80 GiB GPU gives 5 % compute
   (rounded up to a hundredth), ``compute: 25`` gives a quarter of its memory (rounded down to
   a MiB); neither gives the whole GPU. A slice ``k`` of N gives
-  the device plugin's share of slice k (mpsd.plugin.slicing) and 100/N %. Several results on
+  the device plugin's share of slice k (mpsd.alloc.slicing) and 100/N %. Several results on
   one GPU add up; over several GPUs the largest percentage is taken (MPS has one per client),
   as for the device plugin;
 - the claim's opaque configuration for this driver (``status.allocation.devices.config[]``,
@@ -40,8 +40,8 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from ..errors import DraError
-from ..mig import MigDevice
-from ..plugin.slicing import MIB, GpuLike, GpuShare, Plan
+from ..inventory.mig import MigDevice
+from ..alloc.slicing import MIB, GpuLike, GpuShare, Plan
 from . import migdevices
 from .devices import COMPUTE, MEMORY, parse_device_name, slice_compute, slice_memory
 from .quantity import parse_quantity  # noqa: F401 (read here; tests import it from here too)

@@ -11,9 +11,9 @@ import logging
 import os
 from typing import Callable, Iterable, Mapping
 
-from ..logonce import OncePerKey
+from ..logs import OncePerKey
 from .metrics import ClaimUsage
-from ..plugin.usage import UsageReader
+from ..alloc.usage import UsageReader
 from .cdi import region_file
 from .prepared import PreparedClaim
 

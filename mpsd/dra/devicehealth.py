@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import grpc
 
-from ..health import HealthBoard, HealthState
+from ..lifecycle.health import HealthBoard, HealthState
 from . import devices as dv
 from . import dra_health_v1_pb2, dra_health_v1_pb2_grpc, dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc
 

@@ -10,7 +10,7 @@ Two modes (config ``dra.mode``):
 - ``slices`` (1.34 and 1.35 without the gate): N devices per GPU, named
   ``gpu-<index>-slice-<k>`` (k = 0..N-1), N = ``devicePlugin.slicesPerGpu``, each allocated
   to one claim at a time. Slice k has the device plugin's share of the memory (whole MiB;
-  the N shares add up to the GPU's memory, mpsd/plugin/slicing.py) and 100/N compute.
+  the N shares add up to the GPU's memory, mpsd/alloc/slicing.py) and 100/N compute.
 
 Device attributes are published under unqualified names, which Kubernetes puts in the
 driver's own domain: with the default driver name a CEL selector reads
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from ..plugin.slicing import MAX_SLICES, slice_share_bytes, thread_percentage
+from ..alloc.slicing import MAX_SLICES, slice_share_bytes, thread_percentage
 from ..units import shown
 
 DEFAULT_DRIVER_NAME = "gpu.mpsd.io"

@@ -4,7 +4,7 @@ driven by what changes them.
 - a watch of the node's slices (KubeAPI.watch_resource_slices): a slice deleted or changed by
   someone else (the kubelet wipes a driver's slices, an operator deletes one) is written again
   within a round, not at the next resync; events of mpsd's own writes are skipped;
-- the health board (mpsd/health.py): a GPU unhealthy for ``dra.taintAfter`` is tainted, and the
+- the health board (mpsd/lifecycle/health.py): a GPU unhealthy for ``dra.taintAfter`` is tainted, and the
   taint removed when it recovers (mpsd/dra/taints.py);
 - the GPUs, listed again every ``interval`` through ``gpu_lister`` (NVML): a GPU that appears,
   goes or changes is published (an empty listing, NVML failing for a moment, keeps the last one).
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import MpsdError
-from ..health import HealthBoard
+from ..lifecycle.health import HealthBoard
 from .publisher import SlicePublisher
 from .slices import GpuLike
 from .taints import Tainter

@@ -14,7 +14,7 @@
   (mpsd/dra/devicehealth.py), listed in the registration's supported versions as the kubelet
   looks for it.
 
-Seamless upgrades (``instance``, the pod's UID: mpsd/plugin/served.py). Kubelets since 1.33
+Seamless upgrades (``instance``, the pod's UID: mpsd/alloc/served.py). Kubelets since 1.33
 keep every registered instance of a driver, each under its own endpoint, and call the newest
 one that is connected (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go: ``add`` refuses a
 second registration of one endpoint, ``get`` prefers the most recent connected plugin); they
@@ -26,7 +26,7 @@ mpsd of a DaemonSet with ``maxSurge`` overlap: the kubelet moves to the new one 
 registers, and the old one finishes its calls and goes. Either may be asked to unprepare what
 the other prepared: every call takes ``<pluginsDir>/<driver>/serialize.lock`` (flock, as the
 helper's Serialize does across instances) and the state store reads again what the other
-wrote (mpsd/plugin/state.py). Sockets of earlier instances nobody serves are removed at start.
+wrote (mpsd/alloc/state.py). Sockets of earlier instances nobody serves are removed at start.
 
 A watchdog serves a socket again when it was deleted or replaced (the kubelet's directories
 may be wiped while mpsd runs).
@@ -48,8 +48,8 @@ from typing import Callable, ContextManager
 import grpc
 
 from ..errors import DraError, MpsdError, one_line
-from ..plugin.served import UNIX_PATH_MAX, ServedSocket, remove_stale_sockets
-from ..plugin.sharedlock import SharedLock
+from ..alloc.served import UNIX_PATH_MAX, ServedSocket, remove_stale_sockets
+from ..alloc.sharedlock import SharedLock
 from . import (
     cdi,
     devicehealth,

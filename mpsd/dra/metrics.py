@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..metricbase import Families
+from ..metrics.base import Families
 
 CLAIM_LABELS = ("claim", "namespace", "pod", "gpu")
 DRA_GATES = ("DRAConsumableCapacity", "DRADeviceTaints")  # whose fields the API server may drop

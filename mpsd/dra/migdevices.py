@@ -1,6 +1,6 @@
 """MIG instances as DRA devices. Pure: instances in, device dicts (resource.k8s.io/v1) out.
 
-Each instance mpsd serves (mpsd/mig_fleet.py) is published in the node's pool next to the whole
+Each instance mpsd serves (mpsd/mig/fleet.py) is published in the node's pool next to the whole
 GPUs, named after where it is (names must be stable while it exists and DNS labels):
 
 - capacity mode: ``gpu-<parent index>-mig-<gi>-<ci>``, shared by many claims
@@ -26,9 +26,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..mig import MigDevice
+from ..inventory.mig import MigDevice
 from . import devices as dv
-from .slices import MIB, MIN_MEMORY_MIB, _capacity, quantity, semver
+from .values import MIB, MIN_MEMORY_MIB, capacity, quantity, semver
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _attributes(device: MigDevice, driver_version: str) -> Obj:
         "migGpuInstance": {"int": device.gpu_instance},
         "migComputeInstance": {"int": device.compute_instance},
         "mig": {"bool": True},
-        "smPartitions": {"bool": bool(device.sm_partitions)},  # compute as static SM partitions (mpsd/smpartition.py)
+        "smPartitions": {"bool": bool(device.sm_partitions)},  # static SM partitions (daemon/smpartition.py)
         dv.ATTR_MPS: {"bool": True},
     }
     version = semver(driver_version)
@@ -86,7 +86,7 @@ def _attributes(device: MigDevice, driver_version: str) -> Obj:
 
 def build(instances: Sequence[MigDevice], mode: str, driver_version: str = "") -> list[Obj]:
     """The devices of the instances, in (GPU, GPU instance, compute instance) order, each divided into
-    ``device.slices`` (mpsd.mig_fleet sets it; 0: the configuration cannot divide it, said once
+    ``device.slices`` (mpsd.mig.fleet sets it; 0: the configuration cannot divide it, said once
     there, and it is left out, as is an instance below the minimum)."""
     out: list[Obj] = []
     for device in sorted(instances, key=lambda d: (d.parent_index, d.gpu_instance, d.compute_instance)):
@@ -105,9 +105,9 @@ def build(instances: Sequence[MigDevice], mode: str, driver_version: str = "") -
                 "attributes": _attributes(device, driver_version),
                 "allowMultipleAllocations": True,
                 "capacity": {
-                    dv.MEMORY: _capacity(*(quantity(x * MIB, True)
+                    dv.MEMORY: capacity(*(quantity(x * MIB, True)
                                            for x in (mib, memory_default, MIN_MEMORY_MIB, mib, 1))),
-                    dv.COMPUTE: _capacity("100", str(max(1, 100 // n)), "1", "100", "1"),
+                    dv.COMPUTE: capacity("100", str(max(1, 100 // n)), "1", "100", "1"),
                 },
             })
             continue

@@ -1,6 +1,6 @@
 """Prepare and Unprepare: the one place that changes the prepared claims of this node.
 
-Each claim has one record in the device plugin's journaled store (mpsd.plugin.state.StateStore,
+Each claim has one record in the device plugin's journaled store (mpsd.alloc.state.StateStore,
 its own file ``dra-state.json`` in stateDir), one allocation directory in regionDir (fresh, mode
 0777, shared by all containers of the claim: one region, one cap) and one CDI spec in cdiDir.
 The steps of a Prepare:
@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
 from ..errors import DraError, MpsdError, one_line
-from ..plugin.response import HostPaths
-from ..plugin.servicer import fresh_dir, restore_region_dir
-from ..plugin.slicing import GpuLike, GpuShare, Plan
-from ..plugin.state import StateStore
+from ..alloc.container import HostPaths
+from ..alloc.allocdir import fresh_dir, restore_region_dir
+from ..alloc.slicing import GpuLike, GpuShare, Plan
+from ..alloc.state import StateStore
 from ..sharing import Backend, SliceRequest
 from ..sharing.v2 import V2Backend
-from ..mig import MigDevice
+from ..inventory.mig import MigDevice
 from ..trees import remove_tree
 from . import cdi, migdevices
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim

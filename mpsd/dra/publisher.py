@@ -66,7 +66,7 @@ class SlicePublisher:
                  node_uid: str | None = None, metrics: Any = None) -> None:
         """``node_uid``: the Node's metadata.uid (KubeAPI.get_node_uid); with it the slices are
         owned by the Node, and the garbage collector deletes them when the node is deleted.
-        ``metrics``: mpsd.metrics.Metrics or None (slice writes, dropped fields)."""
+        ``metrics``: mpsd.registry.Metrics or None (slice writes, dropped fields)."""
         self.api, self.driver, self.node, self.node_uid = api, driver_name, node_name, node_uid
         self.mode, self.slices_per_gpu = mode, slices_per_gpu
         self.resync_interval, self._clock, self.metrics = resync_interval, clock, metrics

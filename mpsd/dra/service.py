@@ -35,11 +35,11 @@ import threading
 from typing import Callable, Mapping, Sequence
 
 from ..errors import MpsdError
-from ..health import HealthBoard
-from ..plugin.response import SHIM_NAME, HostPaths
-from ..plugin.served import instance_id
-from ..plugin.state import StateStore, install_file
-from ..plugin.usage import shim_usage
+from ..lifecycle.health import HealthBoard
+from ..alloc.container import SHIM_NAME, HostPaths
+from ..alloc.served import instance_id
+from ..alloc.state import StateStore, install_file
+from ..alloc.usage import shim_usage
 from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
 from .keeper import SliceKeeper

@@ -21,7 +21,7 @@ Slices mode: N devices per GPU, each allocated whole to one claim, with the slic
 and compute as (fixed) capacities, so ``capacity.requests`` and CEL selectors still pick by size.
 
 GPUs with MIG enabled are not published whole: their instances are, next to the whole GPUs
-(mpsd/dra/migdevices.py; an instance is a ``mpsd.mig.MigDevice`` among ``gpus``). A pool (named
+(mpsd/dra/migdevices.py; an instance is a ``mpsd.inventory.mig.MigDevice`` among ``gpus``). A pool (named
 after the node) is written as one ResourceSlice per GPU, a MIG GPU's instances together
 (ceil(devices/64) for a GPU of more than 64 devices: the API allows at most 64 in a slice once
 a device has taints). One GPU per slice because the 1.34 scheduler checks a request's capacity
@@ -37,28 +37,22 @@ when a write does not (the field's description in the 1.37 schema).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Protocol
 
-from ..mig import MigDevice
+from ..inventory.mig import MigDevice
 from . import devices as dv
+from . import migdevices
+from .values import MIB, MIN_MEMORY_MIB, Obj, capacity, quantity, semver
 from .quantity import parse_quantity  # exact, as the API server reads quantities
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 64  # the API's limit for a slice with taints (128 without)
-MIB = 1 << 20
-MIN_MEMORY_MIB = 256
-_VERSION_PARTS = re.compile(r"([0-9]+)(?:\.([0-9]+))?(?:\.([0-9]+))?")
-_BINARY = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
-
-Obj = dict[str, Any]
 
 
 class WholeGpu(Protocol):
-    """A whole GPU as its devices are published (mpsd.inventory.GpuInfo). Read-only."""
+    """A whole GPU as its devices are published (mpsd.inventory.nvml.GpuInfo). Read-only."""
 
     @property
     def index(self) -> int: ...
@@ -82,29 +76,6 @@ class WholeGpu(Protocol):
 GpuLike = WholeGpu | MigDevice  # what a pool publishes: whole GPUs, and MIG instances (mpsd/dra/migdevices.py)
 
 
-def semver(text: str) -> str | None:
-    """A driver or compute-capability version as semver 2.0.0 (what a version attribute
-    must be): ``"580.95.05"`` -> ``"580.95.5"``, ``"9.0"`` -> ``"9.0.0"``; None if it is not
-    one to three dot-separated numbers."""
-    match = _VERSION_PARTS.fullmatch(text.strip()) if isinstance(text, str) else None
-    if match is None:
-        return None
-    return ".".join(str(int(part or 0)) for part in match.groups())
-
-
-def quantity(value: int | float | Decimal, binary: bool = False) -> str:
-    """A Kubernetes quantity in canonical form, as the API server stores it: ``17179869184``
-    bytes -> ``16Gi`` (binary), ``25`` -> ``25``, ``33.33`` -> ``33330m``."""
-    number = Decimal(str(value))
-    if binary and number == number.to_integral_value() and number > 0:
-        for suffix, shift in _BINARY:
-            if int(number) % (1 << shift) == 0:
-                return f"{int(number) >> shift}{suffix}"
-    if number == number.to_integral_value():
-        return str(int(number))
-    return f"{int((number * 1000).to_integral_value())}m"
-
-
 def _attributes(gpu: WholeGpu, driver_version: str) -> Obj:
     attrs: Obj = {
         dv.ATTR_INDEX: {"int": gpu.index},
@@ -120,11 +91,6 @@ def _attributes(gpu: WholeGpu, driver_version: str) -> Obj:
     return attrs
 
 
-def _capacity(value: str, default: str, low: str, high: str, step: str) -> Obj:
-    valid_range = {"min": low, "max": high, "step": step}
-    return {"value": value, "requestPolicy": {"default": default, "validRange": valid_range}}
-
-
 def capacity_device(gpu: WholeGpu, driver_version: str, slices_per_gpu: int) -> Obj:
     """The one shared device of a GPU in capacity mode; ValueError for a GPU below the minimum."""
     mib = gpu.memory_total // MIB
@@ -137,8 +103,8 @@ def capacity_device(gpu: WholeGpu, driver_version: str, slices_per_gpu: int) -> 
         "attributes": _attributes(gpu, driver_version),
         "allowMultipleAllocations": True,
         "capacity": {
-            dv.MEMORY: _capacity(*(quantity(n * MIB, True) for n in (mib, memory_default, MIN_MEMORY_MIB, mib, 1))),
-            dv.COMPUTE: _capacity("100", str(compute_default), "1", "100", "1"),
+            dv.MEMORY: capacity(*(quantity(n * MIB, True) for n in (mib, memory_default, MIN_MEMORY_MIB, mib, 1))),
+            dv.COMPUTE: capacity("100", str(compute_default), "1", "100", "1"),
         },
     }
 
@@ -178,8 +144,6 @@ def build_devices(gpus: Sequence[GpuLike], mode: str, slices_per_gpu: int, drive
             if mark:
                 device["taints"] = [dict(t) for t in mark]
         out.extend(mine)
-    from . import migdevices  # here: it imports this module
-
     return out + migdevices.build(instances, mode, driver_version)
 
 

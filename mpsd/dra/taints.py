@@ -1,4 +1,4 @@
-"""Device taints from the supervisor's health board (mpsd/health.py). Pure apart from the clock.
+"""Device taints from the supervisor's health board (mpsd/lifecycle/health.py). Pure apart from the clock.
 
 A GPU the board calls unhealthy for longer than ``dra.taintAfter`` gets one taint on each of its
 devices (spec.devices[].taints of resource.k8s.io/v1, GA in 1.37):
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
-from ..health import HealthState
+from ..lifecycle.health import HealthState
 
 EFFECTS = ("NoSchedule", "NoExecute", "none")
 DEFAULT_TAINT_AFTER = 30.0

@@ -11,14 +11,14 @@ Entry point (``mpsd run`` calls it when devicePlugin.enabled)::
 - ``gpus``: inventory GPUs (``index``, ``uuid``, ``memory_total`` in bytes).
 - ``board``: the supervisor's HealthBoard; slices are Unhealthy while the daemon is down or
   not configured, or their GPU is faulted, and Healthy again when it recovers.
-- ``metrics``: ``mpsd.metrics.Metrics`` or None; per-allocation usage goes to
+- ``metrics``: ``mpsd.registry.Metrics`` or None; per-allocation usage goes to
   ``metrics.set_allocations`` every ``usage_interval`` seconds.
 - ``shim_library``: path of libmpsshim.so, installed atomically into shim_host_dir.
 - ``stop``: blocks until this event is set, then shuts down (ListAndWatch streams end).
 - ``started``: set once the socket is served (``mpsd run``'s /readyz waits for it).
 - ``state_dir``: where ``device-plugin-state.json`` lives (default: config.state_dir for a
   whole Config, else the parent of region_dir).
-- ``instance``: this mpsd's name for its socket (default ``POD_UID``, mpsd/plugin/served.py):
+- ``instance``: this mpsd's name for its socket (default ``POD_UID``, mpsd/alloc/served.py):
   ``mpsd-<resource>-<uid>.sock``, so the old and the new pod of a rolling update (maxSurge)
   serve side by side. The new one registers at once and the kubelet moves Allocate to it; when
   the old one stops, the kubelet's device manager marks the resource's devices unhealthy
@@ -45,19 +45,23 @@ import time
 from typing import Callable, Sequence
 
 from .. import grpcready  # noqa: F401  (first: one line, not a traceback, if grpcio is too old)
+
 from ..errors import PluginError
-from ..health import HealthBoard
+from ..lifecycle.health import HealthBoard
 from . import api_pb2_grpc
-from .kubelet import KUBELET_SOCKET, check_resource_name, register, socket_identity
-from .response import SHIM_NAME, HostPaths
-from .served import ServedSocket, instance_id, remove_stale_sockets
-from .servicer import UNARY_WORKERS, Servicer, restore_region_dir
+from .kubelet import KUBELET_SOCKET, check_resource_name, register
+from ..alloc.served import socket_identity
+from ..alloc.container import SHIM_NAME, HostPaths
+from ..alloc.served import ServedSocket, instance_id, remove_stale_sockets
+from .servicer import UNARY_WORKERS, Servicer
+from ..alloc.allocdir import restore_region_dir
 from ..sharing import Backend, SliceRequest
 from ..sharing.burst import burst_limits
 from ..sharing.v2 import V2Backend
-from .slicing import GpuLike, Plan, advertised_ids, plan_allocation
-from .state import StateStore, install_file
-from .usage import UsageMetrics, UsageReader, UsageTracker, shim_usage
+from ..alloc.slicing import GpuLike, Plan, advertised_ids, plan_allocation
+from ..alloc.state import StateStore, install_file
+from .usage import UsageMetrics, UsageTracker
+from ..alloc.usage import UsageReader, shim_usage
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ..alloc.served import socket_identity
 from ..errors import PluginError
 from . import api_pb2, api_pb2_grpc, podresources_pb2, podresources_pb2_grpc
 
@@ -54,18 +55,6 @@ def check_resource_name(name: str) -> str:
 
 def unix_target(path: str) -> str:
     return "unix://" + os.path.abspath(path)
-
-
-def socket_identity(path: str) -> tuple[int, int] | None:
-    """(device, inode) of ``path``, or None when it does not exist: a re-created socket differs."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("cannot stat socket path=%s error=%s", path, exc)
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def register(kubelet_socket: str, *, endpoint: str, resource_name: str, timeout: float = 5.0) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from ..metricbase import Families
+from ..metrics.base import Families
 
 ALLOCATION_LABELS = ("allocation", "pod", "namespace", "container", "gpu")
 

@@ -14,18 +14,17 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Protocol
 
 from ..errors import MpsdError, PluginError
-from ..logonce import OncePerKey
+from ..logs import OncePerKey
 from .metrics import AllocationUsage
 from ..trees import remove_tree
 from .kubelet import Holder, list_holders
-from .slicing import allocation_id
-from .state import Allocation, StateStore
+from ..alloc.slicing import allocation_id
+from ..alloc.state import Allocation, StateStore
+from ..alloc.usage import UsageReader, shim_usage
 
 log = logging.getLogger(__name__)
 
 _DIR_NAME = re.compile(r"(alloc-[0-9a-f]{16})(?:-[0-9a-f]{1,32})?")  # an allocation's directory: ID-random
-
-UsageReader = Callable[[str], Mapping[int, int]]  # region file -> bytes used per ordinal
 
 
 @dataclass(frozen=True)
@@ -96,22 +95,8 @@ def usage_rows(
     return rows
 
 
-def shim_usage(region_path: str, library: str | None = None) -> dict[int, int]:
-    """Bytes in use per device ordinal in a shim region, read through ``library`` (default:
-    shim.library_path()); {} when no process created the region yet. The region is a pod's
-    file: shim.usage refuses a symlink, a FIFO or an oversized file without opening it, and
-    reads a private copy of it."""
-    if not os.path.lexists(region_path):  # lexists: a symlink is refused by shim.usage, not skipped
-        return {}
-    import shim  # the interposer's Python side; imported late so the plugin starts without it
-
-    # copy: the plugin runs inside mpsd, and a pod truncating its region while a mapping of it
-    # is read would kill mpsd (and the node's MPS daemon with it) with SIGBUS
-    return {int(d.device): int(d.used) for d in shim.usage(region_path, library=library, copy=True)}
-
-
 class UsageMetrics(Protocol):
-    """What a round pushes to (mpsd.metrics.Metrics)."""
+    """What a round pushes to (mpsd.registry.Metrics)."""
 
     def set_allocations(self, rows: Iterable[AllocationUsage]) -> None: ...
     def region_refused(self, kind: str, error: BaseException) -> bool: ...

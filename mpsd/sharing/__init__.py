@@ -21,7 +21,7 @@ Interface (:class:`Backend`)::
                                enforced, else why not (requests with one are then refused)
 
 Devices stay abstract: a request names devices by UUID with the host index and the bytes
-they stand for (mpsd.plugin.slicing.GpuShare); a whole GPU today, a MIG instance (its own
+they stand for (mpsd.alloc.slicing.GpuShare); a whole GPU today, a MIG instance (its own
 UUID) on the same seam later. Backends:
 
 - ``mps-v2`` (mpsd/sharing/v2.py): one node-wide MPS daemon; per-client limits in the
@@ -30,7 +30,9 @@ UUID) on the same seam later. Backends:
   memory, compute and priority; memory enforced by the driver per cgroup where it can
   (mpsd/sharing/memory.py), the shim where it cannot.
 
-Which one a node uses is decided once at start (mpsd/sharing/detect.py, config ``mps.protocol``).
+Which one a node uses is decided once at start (mpsd/sharing/detect.py, config ``mps.protocol``;
+mpsd/sharing/build.py builds it). Below the faces and the lifecycle: may import mpsd.alloc,
+mpsd.daemon, mpsd.inventory, mpsd.config and the base modules.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol
 
-if TYPE_CHECKING:  # not at import: mpsd.plugin imports this module
-    from ..plugin.slicing import Plan
+from ..alloc.container import Mount
+
+if TYPE_CHECKING:
+    from ..alloc.slicing import Plan
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,6 @@ class SliceRequest:
         """The hard limit on a device: the burst limit when one is set, else its guarantee."""
         share = next(g for g in self.plan.gpus if g.ordinal == ordinal)
         return max(self.memory_hard.get(ordinal, 0), share.memory_limit)
-
-
-@dataclass(frozen=True)
-class Mount:
-    host: str
-    container: str
-    read_only: bool
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The node's backend from its config: which protocol (mpsd/sharing/detect.py), then the
-backend the faces call and, for MPS v3, what the supervisor does differently."""
+backend the faces call."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import os
 from typing import Callable, Sequence
 
-from ..control3 import Control3
-from ..plugin.response import HostPaths
-from ..plugin.slicing import GpuLike
+from ..daemon.control3 import Control3
+from ..alloc.container import HostPaths
+from ..alloc.slicing import GpuLike
 from . import Backend
 from .detect import Choice, choose
 from .v2 import V2Backend
@@ -28,13 +28,14 @@ def choose_for(config, driver_version: str | None) -> Choice:
 
 
 def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]], nvml=None):
-    """(backend, V3Supervision or None) for ``choice``; ``nvml``: the memory-limit calls
+    """The backend the faces call for ``choice`` (mpsd.lifecycle.v3.supervision_for adds what the
+    supervisor does differently for v3); ``nvml``: the memory-limit calls
     (mpsd.sharing.memory.NvmlLimits) where NVML is loaded, None where it is not."""
     paths = host_paths(config)
     if choice.protocol == 2:
-        return V2Backend(paths), None
+        return V2Backend(paths)
     from .memory import CgroupLimits
-    from .supervise3 import V3Supervision, default_limits
+    from .toml3 import default_limits
     from .v3 import V3Backend
 
     memory, problem = None, "NVML is not available"
@@ -57,7 +58,7 @@ def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]], nvml=No
         memory=memory,
         memory_problem=problem,
     )
-    return backend, V3Supervision(backend, config)
+    return backend
 
 
 def describe(backend: Backend, choice: Choice) -> str:
@@ -72,7 +73,7 @@ def node_choice(config) -> Choice:
     driver = None
     if config.mps.protocol != "2":
         try:
-            from ..inventory import Inventory
+            from ..inventory.nvml import Inventory
 
             with Inventory(library_path=config.nvml_library) as inventory:
                 driver = inventory.driver_version()
@@ -88,7 +89,7 @@ def record(state_dir: str, backend: Backend, choice: Choice) -> dict:
     """What ``mpsd status`` shows of the running node's backend: written once at start into stateDir."""
     import json
 
-    from ..plugin.state import write_atomic
+    from ..alloc.state import write_atomic
 
     memory_problem = getattr(backend, "memory_problem", None)
     if choice.protocol == 2:

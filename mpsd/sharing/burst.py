@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..errors import PluginError
-from ..plugin.slicing import MIB, GpuLike, Plan
+from ..alloc.slicing import MIB, GpuLike, Plan
 from ..units import format_size_mps_control, parse_size
 
 

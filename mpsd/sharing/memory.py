@@ -5,7 +5,7 @@ kernel's dmem controller, an internal backend before 6.14) fails allocations bey
 soft limit (``dmem.min``) is guaranteed, and above it a client borrows and may be evicted under
 pressure. It counts all device memory of the cgroup (no LD_PRELOAD to skip) and memory queries
 inside the cgroup report the limit. It needs cgroup v2, CUDA 13.4+ and a non-MIG device; NVML's
-``nvmlDevice{Set,Get}MemoryLimits_v1`` (mpsd/inventory.py) set and read it, as root.
+``nvmlDevice{Set,Get}MemoryLimits_v1`` (mpsd/inventory/nvml.py) set and read it, as root.
 
 Which cgroup, and when it is known (docs/mps-v3.md):
 
@@ -86,7 +86,7 @@ Target = tuple[str, int, int, int]  # (cgroup, GPU index, soft, hard)
 
 class CgroupLimits:
     """The limits mpsd set, by slice key; set, read back, restored and cleared through ``nvml``
-    (an object with memory_limits, set_memory_limits and NO_LIMIT: mpsd/inventory.py)."""
+    (an object with memory_limits, set_memory_limits and NO_LIMIT: mpsd/inventory/nvml.py)."""
 
     def __init__(self, nvml, root: str) -> None:
         self.nvml = nvml
@@ -147,10 +147,10 @@ class CgroupLimits:
 
 
 class NvmlLimits:
-    """mpsd/inventory.py's module functions as the object CgroupLimits calls."""
+    """mpsd/inventory/nvml.py's module functions as the object CgroupLimits calls."""
 
     def __init__(self) -> None:
-        from .. import inventory
+        from ..inventory import nvml as inventory
 
         self.memory_limits = inventory.memory_limits
         self.set_memory_limits = inventory.set_memory_limits

@@ -1,4 +1,4 @@
-"""Slices of MIG instances: MPS v2 on the instance's own daemon (mpsd/mig_fleet.py).
+"""Slices of MIG instances: MPS v2 on the instance's own daemon (mpsd/mig/fleet.py).
 
 A client reaches one MPS control daemon (one CUDA_MPS_PIPE_DIRECTORY), and each instance has its
 own, so a slice is on exactly one instance: a request that spans two instances, or an instance and
@@ -19,9 +19,9 @@ import logging
 from typing import Callable, Iterable
 
 from ..errors import BackendError
-from ..mig import MigDevice
-from ..plugin.response import HostPaths
-from ..smpartition import Partitions, chunks_for
+from ..inventory.mig import MigDevice
+from ..alloc.container import HostPaths
+from ..daemon.smpartition import Partitions, chunks_for
 from . import Backend, Grant, SliceRequest
 from .v2 import V2Backend, check_no_burst
 

@@ -21,7 +21,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..control3 import Limits3
+from ..config import Config
+from ..daemon.control3 import Limits3
 from ..units import format_size_mps_control
 
 SCHEMA_VERSION = "1.0"
@@ -96,3 +97,11 @@ def render(servers: list[ServerSpec]) -> str:
         for ns in sorted(spec.namespaces):
             lines += ["", f"[servers.{spec.name}.namespaces.{ns}]", *_limit_lines(spec.namespaces[ns])]
     return "\n".join(lines) + "\n"
+
+
+def default_limits(config: Config) -> Limits3:
+    """The servers' own limits (their default namespaces) from the v2-style defaults of the config:
+    a device limit by index or UUID of the server's GPU is not known here, so the first
+    ordinal-0 limit is taken only when the config sets one limit for every device."""
+    memory = config.pinned_mem_limit.get(0) if len(config.pinned_mem_limit) == 1 else None
+    return limits(memory, config.active_thread_percentage, config.client_priority)

@@ -1,7 +1,7 @@
 """The MPS v2 backend: today's behaviour. One node-wide MPS daemon; a slice is the client
 environment (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
 CUDA_MPS_CLIENT_PRIORITY) plus the shim preloaded over a private region directory, and the
-pipe directory mounted read-only (mpsd/plugin/response.py has the pure functions). Nothing is
+pipe directory mounted read-only (mpsd/alloc/container.py has the pure functions). Nothing is
 created on the node per slice: grant, release and adopt change nothing. The MPS server caps each
 client process, the shim each container; neither can lend memory above a guarantee, so a burst
 limit (a hard limit above the guarantee) is refused."""
@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..errors import BackendError
-from ..plugin.response import HostPaths, container_env, container_mounts
+from ..alloc.container import HostPaths, container_env, container_mounts
 from ..units import format_size_mps_control
-from . import Grant, Mount, SliceRequest
+from . import Grant, SliceRequest
 
 NAME = "mps-v2"
 BURST = ("MPS v2 caps a slice at its guarantee (the shim and the MPS server's per-client limit); burst needs "
@@ -28,8 +28,7 @@ class V2Backend:
 
     def edits(self, request: SliceRequest) -> Grant:
         env = container_env(request.plan, self.paths.pipe_dir, client_priority=request.client_priority)
-        mounts = tuple(Mount(m.host_path, m.container_path, m.read_only)
-                       for m in container_mounts(request.plan, self.paths, request.region_dir))
+        mounts = tuple(container_mounts(request.plan, self.paths, request.region_dir))
         return Grant(env, mounts)
 
     def grant(self, request: SliceRequest) -> Grant:

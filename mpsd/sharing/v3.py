@@ -11,7 +11,7 @@ The backend keeps the live slices in memory (``wanted``): the faces give them (g
 from their journals at start) and take them back (release). The daemon is made to hold them
 three ways: the TOML it starts with lists them (mpsd/sharing/toml3.py), grant and adopt create
 them at once when the daemon runs, and every health round reads them back and puts back what
-is missing or changed (``reconcile``, called by mpsd/sharing/supervise3.py): CLI changes are not
+is missing or changed (``reconcile``, called by mpsd/lifecycle/v3.py): CLI changes are not
 saved by the daemon, so a restart, an operator or a pod with root's control socket would
 otherwise lose or change them.
 
@@ -28,13 +28,14 @@ import threading
 from functools import partial
 from typing import Callable, Iterable, Sequence
 
-from ..control import CommandRejected
-from ..control3 import Control3, Limits3, Server3, same_limits
+from ..daemon.control import CommandRejected
+from ..daemon.control3 import Control3, Limits3, Server3, same_limits
 from ..errors import BackendError, ControlError, DaemonNotRunning
-from ..plugin.response import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, HostPaths
-from ..plugin.slicing import GpuLike, GpuShare
+from ..alloc.container import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, HostPaths
+from ..alloc.slicing import GpuLike, GpuShare
 from ..units import format_limits, format_size_mps_control
-from . import Grant, Mount, SliceRequest
+from . import Grant, SliceRequest
+from ..alloc.container import Mount
 from .memory import CgroupLimits, cgroup_of, find_pod_cgroup
 from .toml3 import ServerSpec, is_ours, limits, namespace_dir, namespace_name, render, server_name, socket_problem
 
@@ -96,7 +97,7 @@ class V3Backend:
             "NVIDIA_VISIBLE_DEVICES": share.uuid,
             "TF_FORCE_GPU_ALLOW_GROWTH": "true",
         }
-        mounts = [Mount(self.paths.pipe_dir, self.paths.pipe_dir, True)]  # read-only: see mpsd/plugin/response.py
+        mounts = [Mount(self.paths.pipe_dir, self.paths.pipe_dir, True)]  # read-only: see mpsd/alloc/container.py
         if self.shim(request):
             env["LD_PRELOAD"] = CONTAINER_SHIM
             env["MPSSHIM_REGION"] = CONTAINER_REGION
@@ -276,7 +277,7 @@ class V3Backend:
                 raise
             control.namespace_set(server, ns, want)  # a retry, or the same slice handed out again
 
-    # -- the daemon's side (mpsd/sharing/supervise3.py) ----------------------------------------
+    # -- the daemon's side (mpsd/lifecycle/v3.py) ----------------------------------------
 
     def wanted(self) -> dict[str, dict[str, Limits3]]:
         """{server: {namespace: limits}} of the live slices."""

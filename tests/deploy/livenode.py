@@ -23,8 +23,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpsd.inventory import Client, Gpu
-from mpsd.metrics import AllocationUsage, Metrics, Server, serve
+from mpsd.inventory.nvml import Client, Gpu
+from mpsd.plugin.metrics import AllocationUsage
+from mpsd.registry import Metrics
+from mpsd.metrics.http import Server, serve
 from mpsd.plugin import api_pb2
 from tests.deploy.prometheus import free_port
 from tests.plugin.conftest import RESOURCE, FakeKubelet, FakePodResources, allocate, stub

@@ -89,7 +89,7 @@ def names() -> list[str]:
 def exported_names() -> set[str]:
     """Sample names a fresh mpsd Metrics registry can export (counters with _total,
     histograms with _bucket, _count and _sum)."""
-    from mpsd.metrics import Metrics
+    from mpsd.registry import Metrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {f.name + suffix for f in Metrics().registry.collect() for suffix in suffixes[f.type]}

@@ -9,8 +9,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.conftest import (KUSTOMIZATIONS, REPO, assert_flags_known, config_key_known, config_text,
-                                   loadable, one, rendered)
+from tests.deploy.conftest import (
+    KUSTOMIZATIONS,
+    REPO,
+    assert_flags_known,
+    config_key_known,
+    config_text,
+    loadable,
+    one,
+    rendered,
+)
 
 try:
     from mpsd import config as mpsd_config

@@ -13,7 +13,7 @@ import yaml
 from lightkube.utils.quantity import parse_quantity
 
 from mpsd.dra import devices
-from mpsd.dra.slices import MIB, MIN_MEMORY_MIB
+from mpsd.dra.values import MIB, MIN_MEMORY_MIB
 from tests.deploy.conftest import REPO, config_text, one, loadable, rendered
 
 DRA = "deploy/overlays/dra"

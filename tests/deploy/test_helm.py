@@ -24,8 +24,21 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.conftest import (CHART, NAMESPACE, PROFILES, RELEASE, REPO, config_key_known, config_text, helm,
-                                   helm_template, key, loadable, one, rendered)
+from tests.deploy.conftest import (
+    CHART,
+    NAMESPACE,
+    PROFILES,
+    RELEASE,
+    REPO,
+    config_key_known,
+    config_text,
+    helm,
+    helm_template,
+    key,
+    loadable,
+    one,
+    rendered,
+)
 
 K8S_VERSION = kubernetes_validate.latest_version()
 NO_SCHEMA = {"monitoring.coreos.com/v1"}  # CRDs: test_render.py checks the ServiceMonitor's shape

@@ -84,7 +84,7 @@ def test_pipe_dir_and_dev_shm_are_shared_by_daemon_and_app() -> None:
     # Not the path the NVIDIA runtime may bind-mount from the host.
     assert pipe != "/tmp/nvidia-mps"
     # The app only connects to the daemon's sockets: read-only, so it cannot plant its own
-    # (tests/supervisor/test_pipe_dir_readonly.py shows a client needs no more).
+    # (tests/daemon/test_pipe_dir_readonly.py shows a client needs no more).
     app_pipe = next(m for m in app["volumeMounts"] if m["mountPath"] == pipe)
     assert app_pipe.get("readOnly") is True
 

@@ -55,12 +55,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.dra.apirules import (
-    default_taint_times,
-    drop_disabled_fields,
-    resource_claim_errors,
-    resource_slice_errors,
-)
+from tests.dra.apirules import default_taint_times, drop_disabled_fields, resource_claim_errors, resource_slice_errors
 
 BASE = "/apis/resource.k8s.io/v1"
 TOKEN = "mpsd-test-token"

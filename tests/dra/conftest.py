@@ -32,13 +32,13 @@ from mpsd.dra.cdi import CdiDir
 from mpsd.dra.kubeletplugin import DraPlugin
 from mpsd.dra.prepared import PreparedClaim, Preparer
 from mpsd.errors import MpsdError
-from mpsd.plugin.response import HostPaths
-from mpsd.plugin.state import StateStore
+from mpsd.alloc.container import HostPaths
+from mpsd.alloc.state import StateStore
 
-from ..inventory.conftest import fake_nvml_lib, nvml_config  # noqa: F401 (fixtures: the fake NVML)
-from ..plugin.conftest import GIB, gpus  # noqa: F401  (the same fake GPUs as the device plugin's tests)
-from .apiserver import apiserver, kubeconfig  # noqa: F401 (fixtures: the stand-in API server and a KUBECONFIG for it)
-from .apiserver import validate
+from tests.inventory.conftest import fake_nvml_lib, nvml_config  # noqa: F401 (fixtures: the fake NVML)
+from tests.plugin.conftest import GIB, gpus  # noqa: F401  (the same fake GPUs as the device plugin's tests)
+from tests.dra.apiserver import apiserver, kubeconfig  # noqa: F401 (fixtures: the stand-in API server and a KUBECONFIG for it)
+from tests.dra.apiserver import validate
 
 DRIVER = "gpu.mpsd.io"
 NODE = "node-a"

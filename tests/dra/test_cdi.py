@@ -10,9 +10,9 @@ import pytest
 from mpsd.dra import cdi
 from mpsd.dra.claims import ClaimRef, plan_claim
 from mpsd.errors import DraError
-from mpsd.plugin.response import HostPaths
+from mpsd.alloc.container import HostPaths
 
-from .conftest import DRIVER, NODE, claim, gpus, result
+from tests.dra.conftest import DRIVER, NODE, claim, gpus, result
 
 PATHS = HostPaths(pipe_dir="/run/mps/pipe", region_dir="/var/lib/mpsd/regions", shim_host_dir="/var/lib/mpsd/lib")
 

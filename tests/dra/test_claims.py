@@ -9,9 +9,9 @@ import pytest
 
 from mpsd.dra.claims import ClaimRef, parse_quantity, plan_claim, selects_node
 from mpsd.errors import DraError
-from mpsd.plugin.slicing import slice_share_bytes
+from mpsd.alloc.slicing import slice_share_bytes
 
-from .conftest import DRIVER, GIB, NODE, claim, gpus, opaque, result
+from tests.dra.conftest import DRIVER, GIB, NODE, claim, gpus, opaque, result
 
 MIB = 1 << 20
 REF = ClaimRef("ns", "c1", "uid-1")

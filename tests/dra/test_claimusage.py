@@ -8,11 +8,11 @@ import os
 
 from mpsd.dra.claims import ClaimRef
 from mpsd.dra.claimusage import ClaimUsageReader, claim_rows
-from mpsd.metrics import Metrics
-from mpsd.plugin.usage import shim_usage
+from mpsd.registry import Metrics
+from mpsd.alloc.usage import shim_usage
 
-from ..regionholder import hold
-from .conftest import GIB, claim, result
+from tests.regionholder import hold
+from tests.dra.conftest import GIB, claim, result
 
 MIB = 1 << 20
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.plugin.response import SHIM_NAME
-from mpsd.plugin.state import install_file
+from mpsd.alloc.container import SHIM_NAME
+from mpsd.alloc.state import install_file
 from tests.container import HOST_LIBS, Mount
 
-from .conftest import GIB, StandInKubelet, claim, gpus, result
+from tests.dra.conftest import GIB, StandInKubelet, claim, gpus, result
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20

@@ -11,10 +11,10 @@ import pytest
 
 from mpsd.dra.claims import ClaimRef
 from mpsd.dra.devicehealth import HEALTHY, MAX_STREAMS, UNHEALTHY, UNKNOWN, DeviceHealth, HealthSource, device_health
-from mpsd.health import HealthBoard, HealthState
-from mpsd.metrics import Metrics
+from mpsd.lifecycle.health import HealthBoard, HealthState
+from mpsd.registry import Metrics
 
-from .conftest import NODE, StandInKubelet, claim, gpus, result
+from tests.dra.conftest import NODE, StandInKubelet, claim, gpus, result
 
 UP = HealthState(daemon_up=True, configured=True)
 

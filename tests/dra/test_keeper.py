@@ -14,9 +14,9 @@ from mpsd.dra.keeper import BACKOFF_MAX, SliceKeeper, backoff
 from mpsd.dra.kubeapi import KubeAPI
 from mpsd.dra.publisher import SlicePublisher
 from mpsd.dra.taints import Tainter
-from mpsd.health import HealthBoard
-from mpsd.inventory import Gpu
-from mpsd.metrics import Metrics
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.inventory.nvml import Gpu
+from mpsd.registry import Metrics
 from tests.dra.apiserver import StandInAPIServer
 
 GIB = 1 << 30

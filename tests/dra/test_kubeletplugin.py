@@ -12,7 +12,7 @@ import pytest
 
 from mpsd.dra import pluginregistration_pb2, pluginregistration_pb2_grpc
 
-from .conftest import DRIVER, StandInKubelet, claim, gpus, result
+from tests.dra.conftest import DRIVER, StandInKubelet, claim, gpus, result
 
 CLAIM = ("ns", "c1", "uid-1")
 
@@ -232,7 +232,7 @@ def test_an_instances_socket_names_fit_a_socket_address():
                                        ("pod uid", False)])
 def test_pod_uid_must_be_a_file_name_part(value, ok):
     from mpsd.errors import PluginError
-    from mpsd.plugin.served import instance_id
+    from mpsd.alloc.served import instance_id
 
     if ok:
         assert instance_id({"POD_UID": value}) == value

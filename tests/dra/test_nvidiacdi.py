@@ -11,7 +11,7 @@ import yaml
 
 from mpsd.dra.nvidiacdi import MAX_SPEC_BYTES, NvidiaSpecs, device_for
 
-from .conftest import StandInKubelet, claim, gpus, result
+from tests.dra.conftest import StandInKubelet, claim, gpus, result
 
 UUID0 = gpus(80)[0].uuid
 
@@ -88,8 +88,8 @@ def test_a_container_gets_mpsds_device_and_nvidias_together(podman, env, shim_li
     """podman resolves both IDs the kubelet hands over and applies both specs: the claim's limits
     from mpsd's, the driver's edits (here an environment variable) from NVIDIA's."""
     from mpsd.dra.nvidiacdi import NvidiaSpecs as Specs
-    from mpsd.plugin.response import SHIM_NAME
-    from mpsd.plugin.state import install_file
+    from mpsd.alloc.container import SHIM_NAME
+    from mpsd.alloc.state import install_file
 
     os.makedirs(env.paths.pipe_dir)
     install_file(str(shim_lib), env.paths.shim_host_dir, SHIM_NAME)

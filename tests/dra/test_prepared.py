@@ -17,7 +17,7 @@ from mpsd.dra import cdi
 from mpsd.dra.prepared import PREPARED, PreparedClaim
 from mpsd.errors import DraError, MpsdError
 
-from .conftest import GIB, NODE, claim, opaque, result
+from tests.dra.conftest import GIB, NODE, claim, opaque, result
 
 REF = ClaimRef("ns", "c1", "uid-1")
 
@@ -146,7 +146,7 @@ CRASH = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from tests.dra.conftest import Env, Claims
     from mpsd.dra.claims import ClaimRef
-    from mpsd.plugin.response import HostPaths
+    from mpsd.alloc.container import HostPaths
     from pathlib import Path
     root = Path({root!r})
     env = Env(root, HostPaths(pipe_dir=str(root / "pipe"), region_dir=str(root / "regions"),
@@ -297,7 +297,7 @@ def test_a_request_name_that_cannot_name_a_cdi_device_is_refused(request_name):
 def test_device_nodes_are_named_by_nvmls_minor_number_not_the_index(env):
     """GPU 0 whose minor number is 3 is /dev/nvidia3: its container must not get /dev/nvidia0
     (another GPU's node, or none)."""
-    from mpsd.inventory import Gpu
+    from mpsd.inventory.nvml import Gpu
 
     for name in ("nvidiactl", "nvidia0", "nvidia3"):
         (env.root / "dev" / name).touch()

@@ -12,8 +12,8 @@ import pytest
 from mpsd.dra.kubeapi import KubeAPI
 from mpsd.dra.publisher import SlicePublisher
 from mpsd.errors import KubeAPIError
-from mpsd.inventory import Gpu, Inventory
-from mpsd.metrics import Metrics
+from mpsd.inventory.nvml import Gpu, Inventory
+from mpsd.registry import Metrics
 from tests.dra.apiserver import StandInAPIServer
 from tests.fakes.nvml_build import nvml_config_text
 

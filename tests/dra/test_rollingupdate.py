@@ -16,11 +16,11 @@ import pytest
 from mpsd import config as cfg
 from mpsd.dra import service
 from mpsd.dra.kubeletplugin import registration_socket_name
-from mpsd.health import HealthBoard
-from mpsd.inventory import Gpu
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.inventory.nvml import Gpu
 
-from .conftest import DRIVER, GIB, NODE, claim, result
-from .kubelet import PluginWatcher
+from tests.dra.conftest import DRIVER, GIB, NODE, claim, result
+from tests.dra.kubelet import PluginWatcher
 
 GPUS = [Gpu(i, f"GPU-0000000{i}-aaaa-bbbb-cccc-00000000000{i}", "Fake H100", 80 * GIB, 0, (9, 0), False)
         for i in range(2)]

@@ -12,10 +12,10 @@ import pytest
 
 from mpsd import config as cfg
 from mpsd.dra import service
-from mpsd.health import HealthBoard
-from mpsd.inventory import Gpu
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.inventory.nvml import Gpu
 
-from .conftest import GIB, NODE, StandInKubelet, claim, result
+from tests.dra.conftest import GIB, NODE, StandInKubelet, claim, result
 
 CLAIM = ("ns", "c1", "uid-1")
 GPUS = [Gpu(0, "GPU-00000000-aaaa-bbbb-cccc-000000000000", "Fake H100", 80 * GIB, 0, (9, 0), False)]

@@ -9,17 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.dra.slices import (
-    build_devices,
-    build_slices,
-    capacity_device,
-    comparable,
-    dropped_fields,
-    quantity,
-    semver,
-    slice_name_prefix,
-)
-from mpsd.inventory import Gpu
+from mpsd.dra.slices import build_devices, build_slices, capacity_device, comparable, dropped_fields, slice_name_prefix
+from mpsd.dra.values import quantity, semver
+from mpsd.inventory.nvml import Gpu
 from tests.dra.apirules import resource_slice_errors
 
 MIB, GIB = 1 << 20, 1 << 30

@@ -6,8 +6,8 @@ import pytest
 
 from mpsd.dra.slices import build_devices, build_slices
 from mpsd.dra.taints import Tainter, reason, rfc3339
-from mpsd.health import HealthState
-from mpsd.inventory import Gpu
+from mpsd.lifecycle.health import HealthState
+from mpsd.inventory.nvml import Gpu
 from tests.dra.apirules import resource_slice_errors
 
 HEALTHY = HealthState(daemon_up=True, configured=True)

@@ -1,4 +1,4 @@
-"""mpsd run's series for the regions of `mpsd exec` (mpsd.exec_regions): real region files
+"""mpsd run's series for the regions of `mpsd exec` (mpsd.metrics.regions): real region files
 charged by real holder processes (the region core), read through libmpsshim.so, served by the
 metrics exporter; and the FAULT count pushed from a supervisor status."""
 
@@ -8,11 +8,12 @@ import functools
 import os
 import urllib.request
 
-from mpsd.exec_regions import ExecRegions, RegionUsage, region_files
-from mpsd.health import HealthBoard
-from mpsd.metrics import Metrics, serve
+from mpsd.metrics.regions import ExecRegions, RegionUsage, region_files
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.registry import Metrics
+from mpsd.metrics.http import serve
 from mpsd.node import InventoryPump, _observer
-from mpsd.supervisor import Status
+from mpsd.lifecycle.supervisor import Status
 from tests.regionholder import hold, reader_survives_truncation
 
 G = 1 << 30
@@ -180,7 +181,7 @@ def test_the_observer_exports_how_many_servers_are_in_fault():
 
 READER = """
 import sys, time
-from mpsd.exec_regions import ExecRegions
+from mpsd.metrics.regions import ExecRegions
 root, lib = sys.argv[1], sys.argv[2]
 regions = ExecRegions(root, lambda: lib)
 deadline = time.monotonic() + 8

@@ -2,7 +2,7 @@
 preallocates at start (JAX 75% of the total, TensorFlow nearly all the free memory) takes the
 whole shared slice in the first process, and the second's allocations are refused. Wherever
 processes share a cap, mpsd gives them the variables that make those frameworks allocate on
-demand (mpsd.frameworks, one source for every face). Here: two `mpsd exec --region` of the
+demand (mpsd.alloc.frameworks, one source for every face). Here: two `mpsd exec --region` of the
 stand-in framework (tests/e2e/preallocator.py, over the fake driver, under the real shim)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ documentation says of it and leaves the rest to the real 535 binary:
 
 Devices and their chunks: ``STANDIN_CHUNKS="<uuid>=<n>,..."`` in the daemon's environment.
 The words sm_partition and --static-partitioning are in this file, which is what mpsd's
-detection looks for in a control binary (mpsd/smpartition.py).
+detection looks for in a control binary (mpsd/daemon/smpartition.py).
 """
 
 from __future__ import annotations

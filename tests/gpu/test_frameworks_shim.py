@@ -85,9 +85,9 @@ JAX_HOLD = textwrap.dedent(
 
 
 def test_two_jax_processes_share_a_cap_with_mpsds_variables(python_with, shim_lib, tmp_path, record):
-    """Two JAX processes in one 4 GiB region with the variables every face gives (mpsd.frameworks):
+    """Two JAX processes in one 4 GiB region with the variables every face gives (mpsd.alloc.frameworks):
     1 GiB and 2 GiB both fit; JAX's default would have preallocated 3 GiB in the first."""
-    from mpsd.frameworks import framework_env
+    from mpsd.alloc.frameworks import framework_env
 
     python = python_with("jax", "import jax; assert jax.devices()[0].platform == 'gpu'")
     env = _env(shim_lib, tmp_path / "region", "0=4G", **framework_env())

@@ -31,7 +31,7 @@ def smi_instances() -> dict[str, str]:
 def layout():
     """(GPUs, instances) from mpsd's own discovery; skips where there is nothing of MIG to test."""
     from mpsd.errors import InventoryError
-    from mpsd.inventory import Inventory
+    from mpsd.inventory.nvml import Inventory
 
     try:
         with Inventory() as inventory:

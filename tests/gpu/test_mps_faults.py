@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from mpsd import peer
-from mpsd.control import Control
+from mpsd.daemon import peer
+from mpsd.daemon.control import Control
 from mpsd.errors import ControlError
 from tests.gpu.conftest import MPSD, clean_env, mps_processes
 
@@ -165,7 +165,7 @@ def test_a_gpu_fault_in_one_client(node, torch_python, python_with, record):
         control = Control(node["control"], str(node["pipe"]), timeout=10)
         [server] = control.get_server_list()
         [daemon] = _control_pids(node["pipe"])
-        # faultPolicy's proof of an MPS client (mpsd.peer): connected to the daemon or its server
+        # faultPolicy's proof of an MPS client (mpsd.daemon.peer): connected to the daemon or its server
         proofs = {pid: peer.mps_client_problem(pid, daemon, [server]) for pid in control.get_client_list(server)}
         faulted_at = time.monotonic()
         fault = subprocess.run(

@@ -14,7 +14,7 @@ import subprocess
 import time
 from dataclasses import asdict
 
-from mpsd.control import Control
+from mpsd.daemon.control import Control
 from mpsd.errors import ControlError
 from tests.gpu.conftest import MPSD, clean_env, mps_processes
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from mpsd import genuine
-from mpsd.control import Control
+from mpsd.daemon import genuine
+from mpsd.daemon.control import Control
 from tests.gpu.conftest import MPSD, clean_env, mps_processes, tempfile_short
 from tests.rollout import free_port, http_get
 

@@ -2,7 +2,7 @@
 "MPS v3 Memory Partitioning" pages). Below R615 each test skips saying the driver it found; the
 suite's stand-ins (tests/fakes/mps_control_v3.py, fake_nvml_limits.c) then stay unchecked against
 the real thing, and the first run on an R615+ driver is what checks what they infer: the verb
-spelling, the CSV columns (mpsd/control3.py), and NVML's limits on a cgroup.
+spelling, the CSV columns (mpsd/daemon/control3.py), and NVML's limits on a cgroup.
 
 Everything runs on a private pipe dir; a cgroup made here is removed; nothing changes the card."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import GPUS, MPSD, clean_env, mps_processes, tempfile_short
+from tests.gpu.conftest import GPUS, MPSD, clean_env, mps_processes, tempfile_short
 
 V3_RELEASE = 615
 GIB = 1 << 30
@@ -69,7 +69,7 @@ def test_the_drivers_binary_speaks_v3(control, record):
 @needs_v3
 def test_mpsd_runs_a_v3_daemon_with_namespaces(control, record):
     """mpsd's TOML taken, its verbs and their CSV parsed, a namespace made and its socket there."""
-    from mpsd.control3 import Control3, Limits3
+    from mpsd.daemon.control3 import Control3, Limits3
 
     base = Path(tempfile_short())
     pipe = base / "pipe"
@@ -122,8 +122,8 @@ print(total.value, rc)
 def test_the_driver_limits_a_cgroups_gpu_memory(record):
     """NVML's limits on a cgroup of our own: read back, an allocation beyond the hard limit
     refused, the memory query inside the cgroup reporting the limit, cleared at the end."""
-    from mpsd import inventory
-    from mpsd.inventory import Inventory
+    from mpsd.inventory import nvml as inventory
+    from mpsd.inventory.nvml import Inventory
 
     root = Path("/sys/fs/cgroup")
     if os.geteuid() != 0 or not (root / "cgroup.controllers").is_file():

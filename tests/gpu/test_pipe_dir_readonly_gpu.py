@@ -1,7 +1,7 @@
 """A real CUDA client through a read-only pipe dir (issue 16 defect 4, the GPU side).
 
-Pods get the pipe dir read-only (mpsd/plugin/response.py); without a GPU,
-tests/supervisor/test_pipe_dir_readonly.py shows that the real front-end reaches the daemon
+Pods get the pipe dir read-only (mpsd/alloc/container.py); without a GPU,
+tests/daemon/test_pipe_dir_readonly.py shows that the real front-end reaches the daemon
 that way from a podman container. Here a PyTorch client does real work through MPS with the
 pipe dir remounted read-only in a private mount namespace (``unshare --mount``, root only), and
 the test records what the client, its server and the daemon created in /dev/shm (what

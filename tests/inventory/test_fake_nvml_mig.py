@@ -10,7 +10,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from mpsd.inventory import use_library
+from mpsd.inventory.nvml import use_library
 from tests.fakes.nvml_build import mig_line, nvml_config_text
 
 GIB, MIB = 1 << 30, 1 << 20

@@ -1,4 +1,4 @@
-"""mpsd.inventory on the real pynvml, loading the fake libnvidia-ml.so.1 by path."""
+"""mpsd.inventory.nvml on the real pynvml, loading the fake libnvidia-ml.so.1 by path."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpsd.errors import InventoryError
-from mpsd.inventory import Client, Gpu, Inventory, use_library
+from mpsd.inventory.nvml import Client, Gpu, Inventory, use_library
 from tests.fakes.nvml_build import nvml_config_text
 
 GIB = 1 << 30
@@ -73,7 +73,7 @@ def test_no_gpus_and_no_clients(open_inventory) -> None:
 
 def test_missing_mps_call_falls_back_to_compute_processes_logged_once(open_inventory, caplog) -> None:
     inv = open_inventory(CONFIG + "fail nvmlDeviceGetMPSComputeRunningProcesses_v3 13\n")
-    with caplog.at_level(logging.WARNING, logger="mpsd.inventory"):
+    with caplog.at_level(logging.WARNING, logger="mpsd.inventory.nvml"):
         first, second = inv.mps_clients(), inv.mps_clients()
     assert first == second == [Client(0, 2999, 3 * GIB), Client(1, 2999, 512 << 20)]
     warnings = [r.getMessage() for r in caplog.records if "MPS process query unavailable" in r.getMessage()]
@@ -138,7 +138,7 @@ def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_library_not_on_the_loader_path(tmp_path: Path) -> None:
     code = (
-        "from mpsd.inventory import Inventory\n"
+        "from mpsd.inventory.nvml import Inventory\n"
         "from mpsd.errors import InventoryError\n"
         "try:\n    Inventory()\nexcept InventoryError as e:\n    print(e)\n"
     )
@@ -153,7 +153,7 @@ def test_library_not_on_the_loader_path(tmp_path: Path) -> None:
 def test_default_search_finds_the_library_on_ld_library_path(fake_nvml_lib: Path, tmp_path: Path) -> None:
     conf = tmp_path / "nvml.conf"
     conf.write_text(CONFIG)
-    code = "from mpsd.inventory import Inventory\ninv = Inventory()\nprint([g.uuid for g in inv.gpus()])\ninv.close()\n"
+    code = "from mpsd.inventory.nvml import Inventory\ninv = Inventory()\nprint([g.uuid for g in inv.gpus()])\ninv.close()\n"
     out = _run_python(code, {"LD_LIBRARY_PATH": str(fake_nvml_lib.parent), "FAKE_NVML_CONFIG": str(conf)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr([A100[0], T4[0]])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mpsd.inventory import Inventory
-from mpsd.metrics import Metrics, serve
+from mpsd.inventory.nvml import Inventory
+from mpsd.registry import Metrics
+from mpsd.metrics.http import serve
 from tests.fakes.nvml_build import nvml_config_text
 
 GIB = 1 << 30

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.inventory import Inventory
-from mpsd.mig import MigDevice, by_profile, memory_gb, parse_caps, profile_name
+from mpsd.inventory.nvml import Inventory
+from mpsd.inventory.mig import MigDevice, by_profile, memory_gb, parse_caps, profile_name
 from tests.fakes.nvml_build import mig_line, nvml_config_text
 
 GIB, MIB = 1 << 30, 1 << 20

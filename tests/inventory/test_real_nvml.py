@@ -1,4 +1,4 @@
-"""mpsd.inventory against the real NVML (needs a GPU and its driver; skipped elsewhere).
+"""mpsd.inventory.nvml against the real NVML (needs a GPU and its driver; skipped elsewhere).
 
 Runs in a subprocess: in this process pynvml may already be pointed at the fake."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys
 from mpsd.errors import InventoryError
-from mpsd.inventory import Inventory
+from mpsd.inventory.nvml import Inventory
 try:
     inv = Inventory()
 except InventoryError as e:

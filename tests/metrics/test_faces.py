@@ -1,5 +1,5 @@
-"""mpsd.metrics is split by face (supervisor, device plugin, DRA): each module imports alone in a
-fresh interpreter, so no face's package and mpsd.metrics import each other in a circle, and
+"""mpsd.metrics.http is split by face (supervisor, device plugin, DRA): each module imports alone in a
+fresh interpreter, so no face's package and mpsd.metrics.http import each other in a circle, and
 Metrics still has every face's families in one registry."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from mpsd.metrics import Metrics
+from mpsd.registry import Metrics
 
 
-@pytest.mark.parametrize("module", ["mpsd.metrics", "mpsd.plugin", "mpsd.plugin.usage", "mpsd.dra.claimusage",
-                                    "mpsd.supervisor_metrics", "mpsd.plugin.metrics", "mpsd.dra.metrics"])
+@pytest.mark.parametrize("module", ["mpsd.metrics.http", "mpsd.plugin", "mpsd.plugin.usage", "mpsd.dra.claimusage",
+                                    "mpsd.metrics.node", "mpsd.plugin.metrics", "mpsd.dra.metrics"])
 def test_each_face_imports_first_in_a_fresh_interpreter(module: str) -> None:
     done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

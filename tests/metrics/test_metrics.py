@@ -1,4 +1,4 @@
-"""mpsd.metrics: values in, Prometheus text out (scraped over real HTTP and parsed)."""
+"""mpsd.metrics.http: values in, Prometheus text out (scraped over real HTTP and parsed)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from mpsd.inventory import Client, Gpu
-from mpsd.metrics import AllocationUsage, Metrics, Server, serve
+from mpsd.inventory.nvml import Client, Gpu
+from mpsd.plugin.metrics import AllocationUsage
+from mpsd.registry import Metrics
+from mpsd.metrics.http import Server, serve
 
 GIB = 1 << 30
 GPU0 = Gpu(0, "GPU-aaaa", "NVIDIA A100", 80 * GIB, 6 * GIB, (8, 0), False)

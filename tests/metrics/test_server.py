@@ -1,4 +1,4 @@
-"""mpsd.metrics HTTP endpoints and address parsing."""
+"""mpsd.metrics.http HTTP endpoints and address parsing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsd.errors import ConfigError, SetupError
-from mpsd.metrics import Metrics, parse_address, serve
+from mpsd.registry import Metrics
+from mpsd.config import parse_address
+from mpsd.metrics.http import serve
 
 
 def get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, str]:

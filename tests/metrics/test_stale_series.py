@@ -1,6 +1,6 @@
 """No series outlives what it describes: once a pod's allocation, a DRA claim, an exec region, a process or
 a GPU client goes, its series leave the scrape (every per-entity family is replaced as a
-whole, mpsd.metrics.Metrics._replace), and churn through many pods and regions leaves the
+whole, mpsd.registry.Metrics._replace), and churn through many pods and regions leaves the
 series count where it started. Every labelled family of Metrics is either one of those
 replaced here or has labels from a fixed set of values only, so a new per-entity family
 fails this test until it is covered."""
@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.metrics_cardinality import world
-from mpsd.metrics import Metrics
+from mpsd.registry import Metrics
 
 BOUNDED = {"method", "kind", "reason", "gate"}  # label values from a fixed set in the code, never from a pod or pid
 REPLACED = {  # family -> the setter that replaces its labelled group (exercised below)

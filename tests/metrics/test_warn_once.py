@@ -11,12 +11,12 @@ import pytest
 
 import shim
 from mpsd.dra.claimusage import ClaimUsageReader
-from mpsd.exec_regions import ExecRegions
-from mpsd.plugin.state import StateStore
+from mpsd.metrics.regions import ExecRegions
+from mpsd.alloc.state import StateStore
 from mpsd.plugin.usage import UsageTracker
 
 PATHS = 3000  # distinct failing regions over the daemon's life
-LIMIT = 1024  # keys a memory keeps (mpsd.logonce.OncePerKey.LIMIT)
+LIMIT = 1024  # keys a memory keeps (mpsd.logs.OncePerKey.LIMIT)
 
 
 def refuse(path: str) -> dict[int, int]:
@@ -24,7 +24,7 @@ def refuse(path: str) -> dict[int, int]:
 
 
 def test_once_per_key_forgets_the_oldest_beyond_its_limit() -> None:
-    from mpsd.logonce import OncePerKey
+    from mpsd.logs import OncePerKey
 
     assert OncePerKey.LIMIT == LIMIT
     seen = OncePerKey(limit=3)

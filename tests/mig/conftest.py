@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from mpsd import config as cfg
-from mpsd.mig import MigDevice
+from mpsd.inventory.mig import MigDevice
 from tests.inventory.conftest import fake_nvml_lib, nvml_config  # noqa: F401 (fixtures: the fake NVML)
-from tests.supervisor.conftest import procs  # noqa: F401 (a fixture; mps_control comes from tests/conftest.py)
+from tests.mpsfixtures import procs  # noqa: F401 (a fixture; mps_control comes from tests/conftest.py)
 
 GIB, MIB = 1 << 30, 1 << 20
 H100 = "NVIDIA H100 80GB HBM3"

@@ -12,12 +12,12 @@ import grpc
 import pytest
 
 from mpsd.errors import PluginError
-from mpsd.mig import MIB
-from mpsd.mig_fleet import MigFleet
-from mpsd.mig_plugin import MigPlugins, resource_name
-from mpsd.health import HealthBoard
+from mpsd.inventory.mig import MIB
+from mpsd.mig.fleet import MigFleet
+from mpsd.mig.plugin import MigPlugins, resource_name
+from mpsd.lifecycle.health import HealthBoard
 from mpsd.plugin import api_pb2, api_pb2_grpc
-from mpsd.plugin.slicing import slice_share_bytes
+from mpsd.alloc.slicing import slice_share_bytes
 from tests.mig.conftest import mig
 from tests.plugin.conftest import FakeKubelet
 

@@ -15,8 +15,8 @@ import pytest
 from mpsd.dra.claims import ClaimRef, plan_claim
 from mpsd.dra.slices import build_devices, build_slices
 from mpsd.errors import BackendError, DraError
-from mpsd.inventory import Gpu
-from mpsd.mig import MIB
+from mpsd.inventory.nvml import Gpu
+from mpsd.inventory.mig import MIB
 from mpsd.sharing import SliceRequest
 from mpsd.sharing.mig import MigBackend
 from tests.dra.apirules import resource_slice_errors
@@ -78,7 +78,7 @@ def test_two_instances_of_one_gpu_stay_two_devices_and_the_backend_refuses_the_c
                                                                                        request="b")]),
                          REF, driver=DRIVER, node=NODE, pool=NODE, gpus=[A, B], slices_per_gpu=4)
     assert [g.uuid for g in planned.plan.gpus] == [A.uuid, B.uuid]  # not merged under their GPU's index
-    from mpsd.plugin.response import HostPaths
+    from mpsd.alloc.container import HostPaths
 
     backend = MigBackend(HostPaths(str(tmp_path), str(tmp_path), str(tmp_path)), lambda uuid: str(tmp_path / uuid))
     with pytest.raises(BackendError, match="more than one MPS daemon"):
@@ -88,7 +88,7 @@ def test_two_instances_of_one_gpu_stay_two_devices_and_the_backend_refuses_the_c
 def test_burst_on_an_instance_is_refused_in_one_line_and_the_whole_gpus_keep_their_backends_answer(tmp_path):
     """A ClaimConfig memoryLimit above an instance's guarantee is refused by its backend; the routed
     backend says of burst what the whole GPUs' backend says (an instance's request is refused as above)."""
-    from mpsd.plugin.response import HostPaths
+    from mpsd.alloc.container import HostPaths
     from mpsd.sharing.mig import Routed
     from mpsd.sharing.v2 import BURST, V2Backend
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.health import HealthBoard
-from mpsd.mig_fleet import MigFleet
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.mig.fleet import MigFleet
 from tests.mig.conftest import mig
 
 pytestmark = pytest.mark.mps_binary

@@ -16,9 +16,9 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from mpsd.health import HealthBoard
-from mpsd.mig_fleet import MigFleet, instance_config, whole_gpus_only
-from mpsd.mig_metrics import MigMetrics
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.mig.fleet import MigFleet, instance_config, whole_gpus_only
+from mpsd.mig.metrics import MigMetrics
 from tests.mig.conftest import mig
 
 pytestmark = pytest.mark.mps_binary

@@ -17,10 +17,10 @@ import psutil
 import pytest
 
 from mpsd.errors import SetupError
-from mpsd.health import HealthBoard
-from mpsd.mig_fleet import MigFleet
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.mig.fleet import MigFleet
 from mpsd.plugin import api_pb2
-from mpsd.smpartition import binary_support, chunks_for, parse_created
+from mpsd.daemon.smpartition import binary_support, chunks_for, parse_created
 from tests.fakes import install_static_partition_standin
 from tests.mig.conftest import mig
 from tests.mig.test_device_plugin import Node

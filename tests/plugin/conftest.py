@@ -15,15 +15,9 @@ from typing import Callable, Iterator
 import grpc
 import pytest
 
-from mpsd.health import HealthBoard
-from mpsd.plugin import (
-    DevicePlugin,
-    api_pb2,
-    api_pb2_grpc,
-    podresources_pb2,
-    podresources_pb2_grpc,
-)
-from mpsd.plugin.response import HostPaths
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.plugin import DevicePlugin, api_pb2, api_pb2_grpc, podresources_pb2, podresources_pb2_grpc
+from mpsd.alloc.container import HostPaths
 from mpsd.trees import remove_tree
 
 GIB = 1 << 30

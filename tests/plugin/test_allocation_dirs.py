@@ -8,7 +8,7 @@ import os
 import stat
 import time
 
-from .conftest import RESOURCE, FakePodResources, allocate, gpus, stub
+from tests.plugin.conftest import RESOURCE, FakePodResources, allocate, gpus, stub
 
 
 def region_dir_of(reply) -> str:
@@ -64,7 +64,7 @@ def test_every_allocate_of_a_repeated_request_is_fresh(started, env):
 
 
 def test_sweep_keeps_what_a_container_may_use_and_removes_orphans(env, kubelet):
-    from mpsd.plugin.slicing import allocation_id
+    from mpsd.alloc.slicing import allocation_id
 
     pr = FakePodResources(str(env.pod_resources_socket))
     g = gpus(80)
@@ -107,8 +107,8 @@ def test_odd_state_records_are_skipped_with_one_line_and_the_plugin_starts(env, 
     """Only a missing directory of ours, directly in regionDir, is re-created (0777); a record
     naming a place outside regionDir, or one where a file or a dangling link stands, is left
     alone with one line each, and the plugin starts all the same."""
-    from mpsd.plugin.slicing import allocation_id
-    from mpsd.plugin.state import Allocation, StateStore
+    from mpsd.alloc.slicing import allocation_id
+    from mpsd.alloc.state import Allocation, StateStore
 
     g = gpus(80)
     regions = env.paths.region_dir

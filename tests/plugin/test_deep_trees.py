@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.plugin.state import Allocation
+from mpsd.alloc.state import Allocation
 from mpsd.trees import remove_tree
 
-from .conftest import RESOURCE, FakePodResources, allocate, gpus, stub
+from tests.plugin.conftest import RESOURCE, FakePodResources, allocate, gpus, stub
 
 REPO = Path(__file__).resolve().parents[2]
 DEPTH = 3000  # far past Python's recursion limit; a regionDir tmpfs has inodes for it

@@ -9,13 +9,13 @@ import threading
 from pathlib import Path
 
 from mpsd.config import load
-from mpsd.health import HealthBoard
-from mpsd.metrics import Metrics
+from mpsd.lifecycle.health import HealthBoard
+from mpsd.registry import Metrics
 from mpsd.plugin import run_plugin
-from mpsd.plugin.usage import shim_usage
+from mpsd.alloc.usage import shim_usage
 from tests.regionholder import hold
 
-from .conftest import GIB, FakeKubelet, allocate, gpus, stub
+from tests.plugin.conftest import GIB, FakeKubelet, allocate, gpus, stub
 
 REPO = Path(__file__).resolve().parents[2]
 

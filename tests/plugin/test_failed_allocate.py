@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mpsd.plugin.state import Allocation, StateStore
+from mpsd.alloc.state import Allocation, StateStore
 
-from .conftest import RESOURCE, FakePodResources, allocate, gpus, stub
+from tests.plugin.conftest import RESOURCE, FakePodResources, allocate, gpus, stub
 
 PAGE = 4096
 
@@ -104,7 +104,7 @@ def test_a_change_in_the_journal_stands_when_only_the_compaction_after_it_fails(
     try:
         store.put(alloc(1))  # one small line in the journal's first page
         filler = fill_leaving(state_tmpfs, pages=0)  # the next line fits that page, a snapshot does not
-        with caplog.at_level("WARNING", logger="mpsd.plugin.state"):
+        with caplog.at_level("WARNING", logger="mpsd.alloc.state"):
             store.put(alloc(2))  # the second line: compaction is due and fails
         assert [a.allocation_id for a in store.all()] == ["a1", "a2"]
         assert sorted(StateStore(str(env.state_path)).load()) == ["a1", "a2"]

@@ -13,7 +13,7 @@ import pytest
 from mpsd.plugin import api_pb2
 from mpsd.units import parse_limits
 
-from .conftest import GIB, RESOURCE, FakeKubelet, allocate, gpus, stub, wait_for
+from tests.plugin.conftest import GIB, RESOURCE, FakeKubelet, allocate, gpus, stub, wait_for
 
 EMPTY = api_pb2.Empty()
 
@@ -322,7 +322,7 @@ def test_concurrent_allocates_are_all_recorded(started, env):
         t.join(30)
     assert not errors
     assert sorted(a.device_ids for a in plugin.store.all()) == sorted(tuple(ids) for ids in sets)
-    from mpsd.plugin.state import StateStore
+    from mpsd.alloc.state import StateStore
 
     assert len(StateStore(str(env.state_path)).load()) == 20  # every one reached the disk
 

@@ -12,7 +12,7 @@ import pytest
 
 from mpsd.plugin import api_pb2
 
-from .conftest import allocate, gpus, stub, wait_for
+from tests.plugin.conftest import allocate, gpus, stub, wait_for
 
 EMPTY = api_pb2.Empty()
 
@@ -59,7 +59,7 @@ def test_deeply_nested_state_file_is_moved_aside_and_the_plugin_starts_empty(env
     env.state_path.write_bytes(content)
     g = gpus(80)
     plugin = env.plugin(g)
-    with caplog.at_level("ERROR", logger="mpsd.plugin.state"):
+    with caplog.at_level("ERROR", logger="mpsd.alloc.state"):
         plugin.start()
     try:
         assert plugin.store.all() == []

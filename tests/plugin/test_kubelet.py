@@ -7,7 +7,7 @@ import pytest
 from mpsd.errors import PluginError
 from mpsd.plugin.kubelet import check_resource_name
 
-from .conftest import gpus
+from tests.plugin.conftest import gpus
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.metrics import Metrics
-from mpsd.plugin.usage import shim_usage
+from mpsd.registry import Metrics
+from mpsd.alloc.usage import shim_usage
 from tests.regionholder import hold, reader_survives_truncation
 
-from .conftest import GIB, RESOURCE, FakePodResources, allocate, gpus, stub
+from tests.plugin.conftest import GIB, RESOURCE, FakePodResources, allocate, gpus, stub
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import pytest
 
 from mpsd.plugin import regionfs
 
-from .conftest import allocate, gpus, stub
+from tests.plugin.conftest import allocate, gpus, stub
 
 MOUNTINFO = (
     "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mpsd.errors import PluginError
-from mpsd.plugin.response import HostPaths, container_env, container_mounts
-from mpsd.plugin.slicing import plan_allocation
+from mpsd.alloc.container import HostPaths, container_env, container_mounts
+from mpsd.alloc.slicing import plan_allocation
 
-from .conftest import GIB, FakeGpu
+from tests.plugin.conftest import GIB, FakeGpu
 
 G = [FakeGpu(0, "GPU-a", "x", 80 * GIB), FakeGpu(1, "GPU-b", "x", 80 * GIB)]
 PATHS = HostPaths(pipe_dir="/run/mps", region_dir="/var/lib/mpsd/regions", shim_host_dir="/var/lib/mpsd/lib")
@@ -47,7 +47,7 @@ def test_container_mounts():
     # delete one (tests/e2e/test_pipe_dir_readonly.py runs the real front-end through it)
     plan = plan_allocation(["GPU-a::0"], G, 10)
     own = f"/var/lib/mpsd/regions/{plan.allocation_id}-0123456789ab"
-    mounts = [(m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, PATHS, own)]
+    mounts = [(m.host, m.container, m.read_only) for m in container_mounts(plan, PATHS, own)]
     assert mounts == [
         ("/run/mps", "/run/mps", True),
         (own, "/run/mpsd", False),
@@ -55,7 +55,7 @@ def test_container_mounts():
     ]
     tmpfs = HostPaths(PATHS.pipe_dir, PATHS.region_dir, PATHS.shim_host_dir, ipc_mode="tmpfs", shm_dir="/var/lib/mpsd/shm")
     assert ("/var/lib/mpsd/shm", "/dev/shm", False) in [
-        (m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, tmpfs, own)
+        (m.host, m.container, m.read_only) for m in container_mounts(plan, tmpfs, own)
     ]
 
 

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from mpsd.plugin import socket_name_for
-from mpsd.plugin.state import StateStore
+from mpsd.alloc.state import StateStore
 
-from .conftest import RESOURCE, gpus, wait_for
-from .devicemanager import StandInDeviceManager
+from tests.plugin.conftest import RESOURCE, gpus, wait_for
+from tests.plugin.devicemanager import StandInDeviceManager
 
 OLD, NEW = "0b5d9a62-1f2e-4c3d-8e9f-0a1b2c3d4e5f", "7c1e2d3f-4a5b-4c6d-9e8f-1a2b3c4d5e6f"
 

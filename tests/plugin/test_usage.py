@@ -10,13 +10,14 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from mpsd.metrics import Metrics
+from mpsd.registry import Metrics
 from mpsd.plugin import podresources_pb2_grpc
 from mpsd.plugin.kubelet import Holder
-from mpsd.plugin.state import Allocation
-from mpsd.plugin.usage import reconcile, shim_usage
+from mpsd.alloc.state import Allocation
+from mpsd.plugin.usage import reconcile
+from mpsd.alloc.usage import shim_usage
 
-from .conftest import GIB, RESOURCE, FakePodResources, allocate, gpus, stub, wait_for
+from tests.plugin.conftest import GIB, RESOURCE, FakePodResources, allocate, gpus, stub, wait_for
 
 
 def alloc(aid: str, ids: tuple[str, ...], created: float = 0.0, **labels) -> Allocation:

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from mpsd.control3 import Control3
+from mpsd.daemon.control3 import Control3
 from tests.fakes import install_fake_mps_v3
 from mpsd.trees import remove_tree
 
@@ -72,4 +72,4 @@ def start_v3(fake_v3_binary: Path, short_tmp: Path) -> Iterator[Callable[..., V3
         proc.communicate()
 
 
-from ..inventory.conftest import fake_nvml_lib  # noqa: E402,F401 (fixture: the fake NVML, for every test here)
+from tests.inventory.conftest import fake_nvml_lib  # noqa: E402,F401 (fixture: the fake NVML, for every test here)

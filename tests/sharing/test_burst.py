@@ -11,21 +11,21 @@ import threading
 import pytest
 
 from mpsd import config as cfg
-from mpsd import inventory
-from mpsd.control3 import Limits3
+from mpsd.inventory import nvml as inventory
+from mpsd.daemon.control3 import Limits3
 from mpsd.dra.claims import ClaimRef, plan_claim
 from mpsd.errors import DraError, PluginError
 from mpsd.plugin import run_plugin
-from mpsd.plugin.slicing import plan_allocation
+from mpsd.alloc.slicing import plan_allocation
 from mpsd.sharing.burst import burst_limits
 from mpsd.sharing.memory import cgroup_v2_path
 from mpsd.sharing.toml3 import namespace_name
 
-from ..dra.conftest import DRIVER, NODE, Claims, claim, opaque, result
-from ..plugin.conftest import allocate, stub
-from .test_memory import GIB, POD, cgroot, nvml, preparer_for, v3_with_memory  # noqa: F401 (fixtures)
-from .conftest import wait_for
-from .test_v3_node import GPUS, node, plugin, up  # noqa: F401 (fixtures)
+from tests.dra.conftest import DRIVER, NODE, Claims, claim, opaque, result
+from tests.plugin.conftest import allocate, stub
+from tests.sharing.test_memory import GIB, POD, cgroot, nvml, preparer_for, v3_with_memory  # noqa: F401 (fixtures)
+from tests.sharing.conftest import wait_for
+from tests.sharing.test_v3_node import GPUS, node, plugin, up  # noqa: F401 (fixtures)
 
 REF = ClaimRef("ns", "c1", "u1")
 
@@ -85,12 +85,12 @@ def test_burst_is_refused_where_the_driver_cannot_enforce_it(node, short_tmp):  
 
 
 def test_burst_is_refused_under_v2(short_tmp):
-    from ..dra.conftest import Env
+    from tests.dra.conftest import Env
 
     from mpsd.dra.cdi import CdiDir
     from mpsd.dra.prepared import PreparedClaim, Preparer
-    from mpsd.plugin.response import HostPaths
-    from mpsd.plugin.state import StateStore
+    from mpsd.alloc.container import HostPaths
+    from mpsd.alloc.state import StateStore
 
     paths = HostPaths(pipe_dir=str(short_tmp / "p"), region_dir=str(short_tmp / "r"), shim_host_dir=str(short_tmp / "l"))
     claims = Claims()

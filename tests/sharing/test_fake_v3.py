@@ -1,5 +1,5 @@
 """The MPS v3 stand-in behaves as NVIDIA's pages describe (tests/fakes/mps_control_v3.py names
-each page), driven through mpsd's own front-end (mpsd/control3.py)."""
+each page), driven through mpsd's own front-end (mpsd/daemon/control3.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from mpsd.control import CommandRejected
-from mpsd.control3 import Limits3
+from mpsd.daemon.control import CommandRejected
+from mpsd.daemon.control3 import Limits3
 
 SERVER = """schema_version = "1.0"
 [servers.g0]
@@ -51,7 +51,7 @@ def test_a_client_on_a_namespace_socket_is_listed_and_activates_the_server(start
     d = start_v3(SERVER)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(str(d.pipe / "g0" / "c1" / "control"))
-        from .conftest import wait_for
+        from tests.sharing.conftest import wait_for
 
         assert wait_for(lambda: d.control.client_list() != [])
         [client] = d.control.client_list()

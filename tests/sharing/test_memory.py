@@ -15,23 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from mpsd import inventory
+from mpsd.inventory import nvml as inventory
 from mpsd.dra.cdi import CdiDir
 from mpsd.dra.claims import ClaimRef
 from mpsd.dra.prepared import PreparedClaim, Preparer
 from mpsd.errors import DraError, InventoryError
-from mpsd.inventory import Inventory
-from mpsd.plugin.state import StateStore
+from mpsd.inventory.nvml import Inventory
+from mpsd.alloc.state import StateStore
+from mpsd.lifecycle.v3 import supervision_for
 from mpsd.sharing.build import build, host_paths
 from mpsd.sharing.detect import Choice
 from mpsd.sharing.memory import NvmlLimits, cgroup_v2_path, pod_cgroup_candidates
 from mpsd.sharing.toml3 import namespace_name
 
-from ..dra.conftest import Claims, claim, result
+from tests.dra.conftest import Claims, claim, result
 
-from ..plugin.conftest import allocate, stub
-from .conftest import wait_for
-from .test_v3_node import GPUS, node, plugin, up  # noqa: F401 (fixtures)
+from tests.plugin.conftest import allocate, stub
+from tests.sharing.conftest import wait_for
+from tests.sharing.test_v3_node import GPUS, node, plugin, up  # noqa: F401 (fixtures)
 
 GIB = 1 << 30
 MAX = (1 << 64) - 1
@@ -140,7 +141,8 @@ def cgroot(short_tmp):
 
 def v3_with_memory(node, cgroot, **overrides):  # noqa: F811
     config, _, running = node(**{"cgroup-root": str(cgroot), **overrides})
-    backend, v3 = build(config, Choice(3, "test"), lambda: GPUS, NvmlLimits())
+    backend = build(config, Choice(3, "test"), lambda: GPUS, NvmlLimits())
+    v3 = supervision_for(backend, config)
     running.sup.v3 = v3  # the same daemon, this backend (node() built one without NVML)
     return config, backend, running
 

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 
-from .conftest import wait_for
-from .test_check_config import GPU
+from tests.sharing.conftest import wait_for
+from tests.sharing.test_check_config import GPU
 
 
 def test_mpsd_run_auto_picks_v3_and_status_says_so(tmp_path, short_tmp, fake_v3_binary, fake_nvml_lib):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from mpsd.errors import BackendError
-from mpsd.plugin.response import HostPaths, container_env, container_mounts
-from mpsd.plugin.slicing import plan_allocation
+from mpsd.alloc.container import HostPaths, container_env, container_mounts
+from mpsd.alloc.slicing import plan_allocation
 from mpsd.sharing import SliceRequest
 from mpsd.sharing.v2 import V2Backend
 
-from ..plugin.conftest import GIB, FakeGpu
+from tests.plugin.conftest import GIB, FakeGpu
 
 G = [FakeGpu(0, "GPU-a", "x", 80 * GIB), FakeGpu(1, "GPU-b", "x", 80 * GIB)]
 PATHS = HostPaths(pipe_dir="/run/mps", region_dir="/var/lib/mpsd/regions", shim_host_dir="/var/lib/mpsd/lib",
@@ -23,7 +23,7 @@ def test_edits_are_the_faces_former_environment_and_mounts():
     grant = V2Backend(PATHS).grant(SliceRequest("k", plan, "/var/lib/mpsd/regions/k-1", client_priority=1))
     assert grant.env == container_env(plan, "/run/mps", client_priority=1)
     assert [(m.host, m.container, m.read_only) for m in grant.mounts] == [
-        (m.host_path, m.container_path, m.read_only) for m in container_mounts(plan, PATHS, "/var/lib/mpsd/regions/k-1")]
+        (m.host, m.container, m.read_only) for m in container_mounts(plan, PATHS, "/var/lib/mpsd/regions/k-1")]
 
 
 def test_release_and_adopt_change_nothing(tmp_path):

@@ -14,20 +14,21 @@ import grpc
 import pytest
 
 from mpsd import config as cfg
-from mpsd.control3 import Limits3
+from mpsd.daemon.control3 import Limits3
 from mpsd.dra.cdi import CdiDir
 from mpsd.dra.prepared import PreparedClaim, Preparer
-from mpsd.health import HealthBoard
+from mpsd.lifecycle.health import HealthBoard
 from mpsd.plugin import DevicePlugin
-from mpsd.plugin.state import StateStore
+from mpsd.alloc.state import StateStore
+from mpsd.lifecycle.v3 import supervision_for
 from mpsd.sharing.build import build, host_paths
 from mpsd.sharing.detect import Choice
 from mpsd.sharing.toml3 import namespace_name
 
-from ..dra.conftest import Claims, claim, result
-from ..plugin.conftest import FakeKubelet, allocate, gpus, stub
-from ..supervisor.conftest import Running
-from .conftest import wait_for
+from tests.dra.conftest import Claims, claim, result
+from tests.plugin.conftest import FakeKubelet, allocate, gpus, stub
+from tests.mpsfixtures import Running
+from tests.sharing.conftest import wait_for
 
 GPUS = gpus(80, 40)
 
@@ -47,7 +48,8 @@ def node(fake_v3_binary, short_tmp):
         }
         values.update(overrides)
         config = cfg.load(None, {}, values)
-        backend, v3 = build(config, Choice(3, "test"), lambda: GPUS)
+        backend = build(config, Choice(3, "test"), lambda: GPUS)
+        v3 = supervision_for(backend, config)
         running = Running(config, v3=v3)
         started.append(running)
         return config, backend, running

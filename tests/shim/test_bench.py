@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import REPO
+from tests.shim.conftest import REPO
 
 BENCH = REPO / "benchmarks" / "shim_alloc.py"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import G, M, ShimEnv
+from tests.shim.conftest import G, M, ShimEnv
 
 LIMIT_VAR = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 

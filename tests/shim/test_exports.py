@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CSRC, HERE, ShimEnv
+from tests.shim.conftest import CSRC, HERE, ShimEnv
 
 
 def dynamic_symbols(lib: Path, *flags: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import G, M, ShimEnv
+from tests.shim.conftest import G, M, ShimEnv
 
 MODES = ["link", "dlsym", "gpa", "gpa2"]
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .conftest import G, M, ShimEnv
+from tests.shim.conftest import G, M, ShimEnv
 
 
 @pytest.mark.parametrize("mode", ["link", "dlsym"])

@@ -11,7 +11,7 @@ import sys
 
 from tests.fakes.nvml_build import mig_line, nvml_config_text
 
-from .conftest import G, ShimEnv
+from tests.shim.conftest import G, ShimEnv
 
 MIG_UUID = "MIG-face0000-0000-0000-0000-000000000000"  # the fake libcuda's device 0, as a MIG device
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import G, M, ShimEnv
+from tests.shim.conftest import G, M, ShimEnv
 
 MODES = ["link", "dlsym", "gpa", "gpa2"]
 
@@ -453,7 +453,7 @@ def test_cuGetProcAddress_never_makes_the_loader_search_for_nvml(shim: ShimEnv) 
 def _run_env(shim: ShimEnv, env: dict[str, str], cmds: list[object], wrap: list[str] | None = None, cwd=None):
     import subprocess
 
-    from .conftest import Result, parse_line, shim_lines
+    from tests.shim.conftest import Result, parse_line, shim_lines
 
     proc = subprocess.run(
         [*(wrap or []), *shim.argv("gpa2", cmds)], env=env, capture_output=True, text=True, timeout=60, cwd=cwd,

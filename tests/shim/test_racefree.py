@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CSRC, HERE, ShimEnv
+from tests.shim.conftest import CSRC, HERE, ShimEnv
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.regionholder import FLIPPER
 
-from .conftest import ShimEnv, parse_line, shim_lines
+from tests.shim.conftest import ShimEnv, parse_line, shim_lines
 
 M = 1 << 20
 G = 1 << 30

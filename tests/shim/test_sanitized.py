@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CSRC, G, M, ShimEnv
+from tests.shim.conftest import CSRC, G, M, ShimEnv
 
 SAN_FLAGS = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all"
 

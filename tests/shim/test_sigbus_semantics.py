@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import HERE, ShimEnv
+from tests.shim.conftest import HERE, ShimEnv
 
 FLAGS = [
     "none",

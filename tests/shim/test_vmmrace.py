@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CSRC, HERE, ShimEnv
+from tests.shim.conftest import CSRC, HERE, ShimEnv
 
 SAN_FLAGS = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all"
 ROUNDS = 1000

@@ -1,0 +1,277 @@
+"""Preparing the pipe and log directories before the control daemon starts.
+
+* Only a path no other local user controls is used: every component that exists must belong
+  to root (or mpsd's own user), a symbolic link on the way must too, the directory itself must
+  not be a link, and no directory on the way may be writable by others without the sticky
+  bit. Anything else (a directory planted in ``/tmp`` by another user) is refused with one
+  line, before anything is created, changed or removed there.
+* Created if missing (mode 0755), with every ancestor made traversable (``o+x``) so that MPS
+  servers, which run with the client's UID, can reach the sockets (a 0700 parent makes them
+  exit at start and the client hang or fail).
+* ``mpsd.lock`` in the pipe dir is flock'ed by ``mpsd run`` for its whole life
+  (:func:`hold_pipe_dir`): a second ``mpsd run`` on the same directory stops at once.
+* Files a crashed daemon left in the pipe dir (``control``, ``control_lock``, ...) are
+  removed, unless a live daemon still holds ``control_lock``: then it is an error, because
+  two daemons on one pipe dir would fight over the clients. A read lock there is not a
+  daemon's (anyone can take one on the 0666 file): it is logged and the file replaced.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+import struct
+import time
+from pathlib import Path
+
+from ..errors import SetupError
+from ..units import is_decimal
+
+log = logging.getLogger(__name__)
+
+STALE_FILES = ("control", "control_privileged", "log", "control_lock", "nvidia-cuda-mps-control.pid")
+TRAVERSE = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+CLIENT_SOCKET = "control"  # what clients other than root connect through (root: control_privileged)
+LOCK_FILE = "mpsd.lock"
+LOCK_PID_WAIT = 1.0  # seconds a refused mpsd waits for the holder to write its PID
+
+
+class PipeDirHeld(SetupError):
+    """Another process (an ``mpsd run``, or ``mpsd stop-daemon`` while it works) holds the pipe
+    dir's ``mpsd.lock``; ``pid`` is the one it wrote there (None when it wrote none in time)."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+def prepare(pipe_dir: str, log_dir: str) -> None:
+    """Make both directories ready for a new daemon; SetupError (one line) when it cannot."""
+    pipe = _absolute(pipe_dir, "pipe dir")
+    ensure_dir(pipe, 0o755, "pipe dir")
+    ensure_dir(_absolute(log_dir, "log dir"), 0o755, "log dir")
+    if daemon_holds_lock(pipe):
+        raise SetupError(
+            f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control holds {pipe / 'control_lock'}; "
+            "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent) or choose another pipeDir"
+        )
+    remove_stale(pipe)
+
+
+def _absolute(value: str, what: str) -> Path:
+    path = Path(value)
+    if not path.is_absolute():
+        raise SetupError(f"{what} {value!r}: expected an absolute path")
+    return Path(os.path.normpath(path))
+
+
+def check_path(path: Path, what: str = "directory") -> None:
+    """SetupError (one line) unless no other local user controls ``path``: each component
+    that exists belongs to root or mpsd's user, as does a symbolic link on the way; ``path``
+    itself is not a link; no directory on the way is writable by others without the sticky
+    bit. The first missing component ends the check (mpsd creates the rest itself)."""
+    trusted = {0, os.geteuid()}
+    for component in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(component)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise SetupError(f"{what} {path}: cannot inspect {component}: {exc.strerror}") from exc
+        where = f"{what} {path}" + ("" if component == path else f": {component}")
+        fix = f"remove it or choose another {what}"
+        if stat.S_ISLNK(st.st_mode) and component == path:
+            raise SetupError(f"{where}: a symbolic link; expected a directory, not a link to one: use the real path")
+        if st.st_uid not in trusted:
+            kind = "a symbolic link owned" if stat.S_ISLNK(st.st_mode) else "owned"
+            raise SetupError(
+                f"{where}: {kind} by uid {st.st_uid}, not by root or mpsd's user: "
+                f"that user could redirect what clients connect to; {fix}"
+            )
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise SetupError(
+                f"{where}: writable by every user without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): "
+                f"anyone could replace what is in it; chmod o-w or +t it, or choose another {what}"
+            )
+
+
+def ensure_dir(path: Path, mode: int, what: str = "directory") -> None:
+    """Create ``path`` with ``mode`` if missing, one component at a time and each checked
+    (:func:`check_path`), then make every ancestor traversable by all."""
+    check_path(path, what)
+    for component in [*reversed(path.parents), path]:
+        if os.path.lexists(component):
+            continue
+        try:
+            os.mkdir(component, 0o755)
+        except FileExistsError:
+            pass  # made meanwhile: checked below
+        except OSError as exc:
+            raise SetupError(f"cannot create directory {path}: {exc.strerror}") from exc
+        check_path(component, what)
+    check_path(path, what)
+    if not path.is_dir():
+        raise SetupError(f"{path} exists and is not a directory")
+    try:
+        current = stat.S_IMODE(path.stat().st_mode)
+        if current | mode != current:
+            os.chmod(path, current | mode)
+            log.info("chmod path=%s mode=%o", path, current | mode)
+    except OSError as exc:
+        raise SetupError(f"cannot set mode {mode:o} on {path}: {exc.strerror}") from exc
+    make_traversable(path.parent)
+
+
+def make_traversable(path: Path) -> None:
+    """Add x for group and others to ``path`` and each ancestor that lacks it."""
+    for component in [path, *path.parents]:
+        try:
+            current = stat.S_IMODE(component.stat().st_mode)
+        except OSError as exc:
+            raise SetupError(f"cannot inspect {component}: {exc.strerror}") from exc
+        if current & TRAVERSE == TRAVERSE:
+            continue
+        try:
+            os.chmod(component, current | TRAVERSE)
+        except OSError as exc:
+            raise SetupError(
+                f"{component} (mode {current:o}) is not traversable by other users and cannot be changed "
+                f"({exc.strerror}); clients of other UIDs could not reach the pipe dir: "
+                "chmod o+x it or choose another path"
+            ) from exc
+        log.warning("made traversable path=%s old_mode=%o new_mode=%o", component, current, current | TRAVERSE)
+
+
+def daemon_holds_lock(pipe: Path) -> bool:
+    """True if a live process holds the POSIX write lock the daemon keeps on ``control_lock``.
+
+    The file is mode 0666 (the daemon's choice): any process that can reach the pipe dir, a
+    pod through its read-only mount included, can take a *read* lock on it while no daemon
+    runs, and the real daemon then refuses to start ("An instance of this daemon is already
+    running"). A read lock is never a daemon's: it is logged with its holder and the file is
+    left to :func:`remove_stale`, so the new daemon locks a new file."""
+    lock = pipe / "control_lock"
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise SetupError(f"cannot open {lock}: {exc.strerror}") from exc
+    try:
+        kind, pid = lock_holder(fd)
+    except OSError as exc:
+        raise SetupError(f"cannot test the lock on {lock}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if kind == fcntl.F_RDLCK:
+        log.warning("control_lock read-locked by another process, not a daemon: replacing it path=%s pid=%d",
+                    lock, pid)
+        return False
+    return kind == fcntl.F_WRLCK
+
+
+_FLOCK = "hhqqi4x"  # struct flock (x86-64, arm64): l_type, l_whence, l_start, l_len, l_pid
+
+
+def lock_holder(fd: int) -> tuple[int, int]:
+    """(F_UNLCK, 0), or the type (F_RDLCK/F_WRLCK) and PID of a POSIX lock on the whole file
+    held by another process (F_GETLK)."""
+    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    return kind, pid
+
+
+def remove_stale(pipe: Path) -> list[str]:
+    """Remove what a dead daemon left; the names removed."""
+    removed = []
+    for name in STALE_FILES:
+        target = pipe / name
+        try:
+            target.unlink()
+        except FileNotFoundError:
+            continue
+        except IsADirectoryError as exc:
+            raise SetupError(f"{target} is a directory; expected a socket or file left by a daemon") from exc
+        except OSError as exc:
+            raise SetupError(f"cannot remove stale {target}: {exc.strerror}") from exc
+        removed.append(name)
+    if removed:
+        log.info("removed stale pipe files dir=%s files=%s", pipe, ",".join(removed))
+    return removed
+
+
+def client_socket_problem(pipe: Path) -> str:
+    """Why clients other than root cannot connect to the daemon ("" when they can): root's
+    front-end uses ``control_privileged``, so a health check run as root does not see this."""
+    path = pipe / CLIENT_SOCKET
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} is missing: clients other than root cannot connect"
+    except OSError as exc:
+        return f"cannot inspect {path}: {exc.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket: clients other than root cannot connect"
+    if st.st_mode & 0o006 != 0o006:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}: clients other than root cannot connect"
+    return ""
+
+
+def hold_pipe_dir(pipe_dir: str, pid_wait: float | None = None) -> int:
+    """Create and check the pipe dir, then flock its ``mpsd.lock`` for the life of the caller
+    (the fd returned; :func:`release_pipe_dir` ends it, and so does the process's exit).
+    PipeDirHeld naming the holder's PID when another mpsd holds it (waiting up to ``pid_wait``,
+    by default LOCK_PID_WAIT, for a holder that has just taken it to write it)."""
+    pipe = _absolute(pipe_dir, "pipe dir")
+    ensure_dir(pipe, 0o755, "pipe dir")
+    path = pipe / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SetupError(f"pipe dir {pipe}: cannot open {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+            raise SetupError(f"pipe dir {pipe}: {path} is not a regular file of root or mpsd's user; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd, LOCK_PID_WAIT if pid_wait is None else pid_wait)
+            raise PipeDirHeld(
+                f"pipe dir {pipe}: another mpsd run (pid {holder}) holds {path}; "
+                "stop it or give this one another pipeDir",
+                int(holder) if is_decimal(holder) else None,
+            ) from None
+        except OSError as exc:
+            raise SetupError(f"pipe dir {pipe}: cannot lock {path}: {exc.strerror}") from exc
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the lock holds all the same, only the PID is not named
+            log.warning("cannot write pid to lock file path=%s error=%s", path, exc.strerror)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_pipe_dir(fd: int) -> None:
+    """Clear the PID (a later refusal must not name a process gone) and drop the lock."""
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass  # the lock goes with the close all the same
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int, wait: float) -> str:
+    """The PID the lock's holder wrote, waiting briefly for it (it writes once it holds it)."""
+    deadline = time.monotonic() + wait
+    while True:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if is_decimal(text) or time.monotonic() >= deadline:
+            return text if is_decimal(text) else "unknown"
+        time.sleep(0.01)
