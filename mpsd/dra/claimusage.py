@@ -2,7 +2,7 @@
 its processes hold now in its shim regions (one per request, mpsd/dra/cdi.py), one row per claim
 and GPU for ``Metrics.set_claims``.
 
-The region is read through the device plugin's reader (mpsd.plugin.usage.shim_usage: a private
+The region is read through the allocation core's reader (mpsd.alloc.usage.shim_usage: a private
 copy of a pod's file, refused when it is a symlink, a FIFO or too large)."""
 
 from __future__ import annotations

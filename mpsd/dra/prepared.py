@@ -5,7 +5,7 @@ its own file ``dra-state.json`` in stateDir), one allocation directory in region
 0777, shared by all containers of the claim: one region, one cap) and one CDI spec in cdiDir.
 The steps of a Prepare:
 
-1. the directory (mpsd.plugin.servicer.fresh_dir, as Allocate makes its own:
+1. the directory (mpsd.alloc.allocdir.fresh_dir, as Allocate makes its own:
    ``claim-<uid>-<random>``);
 2. the CDI spec (temporary file, fsync, rename);
 3. the record, one journal line fdatasync'd; only then the answer.
