@@ -145,6 +145,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             return _check_config(args, env)
         config = resolve(args, env)
         if args.command == "run":
+            from . import grpcready  # noqa: F401  (the faces serve gRPC: an old grpcio is one line, before anything starts)
             from .node import run
 
             return run(config, reload=reloader(args, env))

@@ -158,3 +158,6 @@ def mps_control(mps_version: str) -> Path:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"real MPS daemon versions: {', '.join(_mps_versions())} ({'MPSD_TEST_MPS_VERSIONS'} selects; all: CI)"
+
+# The real control daemon's fixtures (tests of mpsd/daemon, mpsd/lifecycle, mpsd/config and the CLI)
+from tests.mpsfixtures import make_config, mps_dirs, procs, run_supervisor  # noqa: E402,F401

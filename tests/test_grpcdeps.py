@@ -111,10 +111,21 @@ except DependencyError as exc:
     )
 
 
-@pytest.mark.parametrize("command", [["status"], ["run"]])
-def test_the_cli_with_an_old_grpcio_is_one_line(tmp_path, command):
+def test_status_with_an_old_grpcio_needs_no_grpc(tmp_path):
     """What the GPU machine showed: `mpsd status` died of the generated code's RuntimeError, a
-    traceback. Every command now says in one line which runtime is too old and what is needed."""
+    traceback. It no longer loads any generated code unless DRA is enabled (then the line below)."""
+    (tmp_path / "site").mkdir()
+    env = {"PYTHONPATH": f"{old_grpcio_path(tmp_path / 'site')}:{REPO}", "PATH": "/usr/bin:/bin"}
+    args = ["status", "--pipe-dir", str(tmp_path / "pipe"), "--state-dir", str(tmp_path / "state")]
+    out = subprocess.run([sys.executable, "-m", "mpsd", *args], capture_output=True, text=True, env=env, timeout=60)
+    assert "Traceback" not in out.stderr and "grpc" not in out.stderr, out.stderr
+    assert "daemon: down" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("command", [["run"], ["run", "--dra", "true"]])
+def test_the_cli_with_an_old_grpcio_is_one_line(tmp_path, command):
+    """`mpsd run` serves gRPC (its kubelet faces): with a grpcio too old for the generated code it
+    says so in one line, which runtime and what is needed, before it starts anything."""
     (tmp_path / "site").mkdir()
     env = {"PYTHONPATH": f"{old_grpcio_path(tmp_path / 'site')}:{REPO}", "PATH": "/usr/bin:/bin"}
     args = [*command, "--pipe-dir", str(tmp_path / "pipe"), "--state-dir", str(tmp_path / "state")]

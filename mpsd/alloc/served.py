@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Mapping
 
 import grpc
 
+from .. import grpcready  # noqa: F401  (first: one line, not a traceback, if grpcio is too old)
 from ..errors import MpsdError, PluginError
 
 log = logging.getLogger(__name__)

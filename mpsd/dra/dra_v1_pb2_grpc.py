@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from . import dra_v1_pb2 as mpsd_dot_dra_dot_dra__v1__pb2
+from mpsd.dra import dra_v1_pb2 as mpsd_dot_dra_dot_dra__v1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

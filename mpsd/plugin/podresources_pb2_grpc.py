@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from . import podresources_pb2 as mpsd_dot_plugin_dot_podresources__pb2
+from mpsd.plugin import podresources_pb2 as mpsd_dot_plugin_dot_podresources__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,4 +1,3 @@
-"""The real control daemon's fixtures (tests/mpsfixtures.py), shared by tests/daemon, tests/lifecycle
-and tests/config."""
+"""The MPS v3 stand-in's binary (tests/sharing/conftest.py), for the v3 control protocol's tests."""
 
-from tests.mpsfixtures import make_config, mps_dirs, procs, run_supervisor  # noqa: F401 (fixtures)
+from tests.sharing.conftest import fake_v3_binary  # noqa: F401 (fixture)

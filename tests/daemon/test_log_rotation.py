@@ -222,7 +222,7 @@ def test_a_control_log_removed_by_someone_else_is_created_again_at_the_next_rota
 
 COPY_UNDER_FSIZE_LIMIT = """
 import os, resource, signal, sys
-from mpsd import logfiles
+from mpsd.daemon import logfiles
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
 try:

@@ -23,7 +23,7 @@ from mpsd.lifecycle.standby import Standby, instance_of
 
 REPO = Path(__file__).resolve().parents[2]
 UID = "7c1e2d3f-4a5b-4c6d-9e8f-1a2b3c4d5e6f"
-HOLD = "import sys, time; from mpsd import dirs; dirs.hold_pipe_dir(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+HOLD = "import sys, time; from mpsd.daemon import dirs; dirs.hold_pipe_dir(sys.argv[1]); print('held', flush=True); time.sleep(600)"
 
 
 @pytest.fixture
