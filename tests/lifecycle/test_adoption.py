@@ -195,7 +195,7 @@ def test_two_runs_at_once_on_a_running_daemon_one_adopts_it_the_other_says_who(m
         wait_until(node.ready, "the winner ready")
         out = [line for line in read(loser).splitlines() if not line[:4].isdigit()]  # not a log record
         assert loser.returncode == 1 and out == [
-            f"mpsd: pipe dir {node.pipe}: another mpsd run (pid {winner.pid}) holds {node.pipe}/mpsd.lock; "
+            f"mpsd: pipe dir {node.pipe}: another mpsd run (pid {winner.pid}) holds {node.lock('run')}; "
             "stop it or give this one another pipeDir"
         ], read(loser)
         assert stop(winner) == 0
