@@ -210,7 +210,7 @@ def test_owned_mode_refuses_a_running_daemon_with_one_line_saying_what_to_do(con
     r.thread.join(30)
     (error,) = r.result
     assert isinstance(error, SetupError) and "\n" not in str(error)
-    assert "another nvidia-cuda-mps-control holds" in str(error)
+    assert f"another nvidia-cuda-mps-control (pid {pid} " in str(error) and "holds" in str(error)
     assert "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent)" in str(error)
     assert not dead(pid) and genuine.control_lock_holder(config.pipe_dir) == pid
 
