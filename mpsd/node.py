@@ -175,7 +175,7 @@ def run(config: cfg.Config, reload: Callable[[], cfg.Config] | None = None) -> i
     standby = None
     locks: list[int] = []
     try:
-        locks.append(dirs.hold_pipe_dir(config.pipe_dir))
+        locks.append(dirs.hold_pipe_dir(config.pipe_dir, config.state_dir))
     except dirs.PipeDirHeld as held:
         standby = Standby.instead_of(config, held)
 

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpsd.daemon import genuine
+from mpsd.daemon import dirs, genuine
 from mpsd.daemon.control import Control
 from mpsd.errors import ControlError
 
@@ -139,6 +139,10 @@ class Node:
             assert time.monotonic() < deadline, f"mpsd run not ready in 60s:\n{read(proc)}"
             time.sleep(POLL)
         return proc, time.monotonic() - began
+
+    def lock(self, kind: str) -> Path:
+        """mpsd's ``kind`` lock file ("run", "holder") of this node's pipe dir (in its stateDir)."""
+        return dirs.lock_path(str(self.work / "state"), str(self.pipe), kind)
 
     def daemon_pid(self) -> int | None:
         """The daemon holding this pipe dir's control_lock."""

@@ -8,12 +8,19 @@
 * Created if missing (mode 0755), with every ancestor made traversable (``o+x``) so that MPS
   servers, which run with the client's UID, can reach the sockets (a 0700 parent makes them
   exit at start and the client hang or fail).
-* ``mpsd.lock`` in the pipe dir is flock'ed by ``mpsd run`` for its whole life
-  (:func:`hold_pipe_dir`): a second ``mpsd run`` on the same directory stops at once.
+* mpsd's own locks live in ``<stateDir>/locks/``, never in the pipe dir: every pod is handed
+  the pipe dir, and a read-only descriptor (all a read-only mount gives) still takes an
+  ``flock`` or a POSIX read lock, which blocks a write lock. ``<key>.run.lock`` is flock'ed by
+  ``mpsd run`` for its whole life (:func:`hold_pipe_dir`): a second ``mpsd run`` on the same
+  directory stops (or stands by) at once; ``<key>.holder.lock`` is the holder's
+  (mpsd/lifecycle/holder.py). The key is the pipe dir's resolved path (:func:`lock_key`), so
+  two spellings of one directory share one lock.
 * Files a crashed daemon left in the pipe dir (``control``, ``control_lock``, ...) are
-  removed, unless a live daemon still holds ``control_lock``: then it is an error, because
-  two daemons on one pipe dir would fight over the clients. A read lock there is not a
-  daemon's (anyone can take one on the 0666 file): it is logged and the file replaced.
+  removed, unless a daemon still holds ``control_lock``: then it is an error, because two
+  daemons on one pipe dir would fight over the clients. A lock there is a daemon's only once
+  its holder is proven one (mpsd.daemon.genuine.daemon_lock_holder): the file is 0666, so any
+  process that reaches the pipe dir can take a read lock on it, and any local user who can
+  open it read-write a write lock; such a lock is logged with its holder and the file replaced.
 """
 
 from __future__ import annotations
@@ -22,40 +29,43 @@ import fcntl
 import logging
 import os
 import stat
-import struct
 import time
 from pathlib import Path
 
 from ..errors import SetupError
 from ..units import is_decimal
+from . import genuine
 
 log = logging.getLogger(__name__)
 
 STALE_FILES = ("control", "control_privileged", "log", "control_lock", "nvidia-cuda-mps-control.pid")
 TRAVERSE = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 CLIENT_SOCKET = "control"  # what clients other than root connect through (root: control_privileged)
-LOCK_FILE = "mpsd.lock"
+LOCKS = "locks"  # in stateDir: mpsd's own locks, one per pipe dir and kind
 LOCK_PID_WAIT = 1.0  # seconds a refused mpsd waits for the holder to write its PID
 
 
 class PipeDirHeld(SetupError):
     """Another process (an ``mpsd run``, or ``mpsd stop-daemon`` while it works) holds the pipe
-    dir's ``mpsd.lock``; ``pid`` is the one it wrote there (None when it wrote none in time)."""
+    dir's run lock (:func:`lock_path`); ``pid`` is the one it wrote there (None when it wrote none in time)."""
 
     def __init__(self, message: str, pid: int | None) -> None:
         super().__init__(message)
         self.pid = pid
 
 
-def prepare(pipe_dir: str, log_dir: str) -> None:
-    """Make both directories ready for a new daemon; SetupError (one line) when it cannot."""
+def prepare(pipe_dir: str, log_dir: str, binary: str = "nvidia-cuda-mps-control") -> None:
+    """Make both directories ready for a new daemon (of ``binary``, controlBinary); SetupError
+    (one line) when it cannot."""
     pipe = _absolute(pipe_dir, "pipe dir")
     ensure_dir(pipe, 0o755, "pipe dir")
     ensure_dir(_absolute(log_dir, "log dir"), 0o755, "log dir")
-    if daemon_holds_lock(pipe):
+    holder = genuine.daemon_lock_holder(str(pipe), binary)
+    if holder is not None:
         raise SetupError(
-            f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control holds {pipe / 'control_lock'}; "
-            "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent) or choose another pipeDir"
+            f"pipe dir {pipe_dir}: another nvidia-cuda-mps-control ({genuine.peer.describe(holder)}) holds "
+            f"{pipe / 'control_lock'}; stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent) "
+            "or choose another pipeDir"
         )
     remove_stale(pipe)
 
@@ -144,45 +154,6 @@ def make_traversable(path: Path) -> None:
         log.warning("made traversable path=%s old_mode=%o new_mode=%o", component, current, current | TRAVERSE)
 
 
-def daemon_holds_lock(pipe: Path) -> bool:
-    """True if a live process holds the POSIX write lock the daemon keeps on ``control_lock``.
-
-    The file is mode 0666 (the daemon's choice): any process that can reach the pipe dir, a
-    pod through its read-only mount included, can take a *read* lock on it while no daemon
-    runs, and the real daemon then refuses to start ("An instance of this daemon is already
-    running"). A read lock is never a daemon's: it is logged with its holder and the file is
-    left to :func:`remove_stale`, so the new daemon locks a new file."""
-    lock = pipe / "control_lock"
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise SetupError(f"cannot open {lock}: {exc.strerror}") from exc
-    try:
-        kind, pid = lock_holder(fd)
-    except OSError as exc:
-        raise SetupError(f"cannot test the lock on {lock}: {exc.strerror}") from exc
-    finally:
-        os.close(fd)
-    if kind == fcntl.F_RDLCK:
-        log.warning("control_lock read-locked by another process, not a daemon: replacing it path=%s pid=%d",
-                    lock, pid)
-        return False
-    return kind == fcntl.F_WRLCK
-
-
-_FLOCK = "hhqqi4x"  # struct flock (x86-64, arm64): l_type, l_whence, l_start, l_len, l_pid
-
-
-def lock_holder(fd: int) -> tuple[int, int]:
-    """(F_UNLCK, 0), or the type (F_RDLCK/F_WRLCK) and PID of a POSIX lock on the whole file
-    held by another process (F_GETLK)."""
-    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-    kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
-    return kind, pid
-
-
 def remove_stale(pipe: Path) -> list[str]:
     """Remove what a dead daemon left; the names removed."""
     removed = []
@@ -219,22 +190,54 @@ def client_socket_problem(pipe: Path) -> str:
     return ""
 
 
-def hold_pipe_dir(pipe_dir: str, pid_wait: float | None = None) -> int:
-    """Create and check the pipe dir, then flock its ``mpsd.lock`` for the life of the caller
-    (the fd returned; :func:`release_pipe_dir` ends it, and so does the process's exit).
-    PipeDirHeld naming the holder's PID when another mpsd holds it (waiting up to ``pid_wait``,
-    by default LOCK_PID_WAIT, for a holder that has just taken it to write it)."""
-    pipe = _absolute(pipe_dir, "pipe dir")
-    ensure_dir(pipe, 0o755, "pipe dir")
-    path = pipe / LOCK_FILE
+def lock_key(resolved: str) -> str:
+    """A file name for a resolved absolute path, readable and one-to-one (systemd-escape's
+    rules): ``/run/mpsd-pipe`` -> ``run-mpsd\\x2dpipe``; "-" for ``/``."""
+    if resolved == "/":
+        return "-"
+    out = []
+    for i, ch in enumerate(resolved.strip("/")):
+        if ch == "/":
+            out.append("-")
+        elif (ch.isascii() and (ch.isalnum() or ch in "_.")) and not (ch == "." and i == 0):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def lock_path(state_dir: str, pipe_dir: str, kind: str) -> Path:
+    """``<stateDir>/locks/<key>.<kind>.lock``: mpsd's ``kind`` lock ("run", "holder") on the
+    pipe dir, keyed by its resolved path (a symlink on the way does not make it another)."""
+    return _absolute(state_dir, "state dir") / LOCKS / f"{lock_key(os.path.realpath(pipe_dir))}.{kind}.lock"
+
+
+def open_lock(state_dir: str, pipe_dir: str, kind: str) -> tuple[int, Path]:
+    """Create and check the locks directory (:func:`check_path`: no other user's), then open
+    (creating it 0600) mpsd's ``kind`` lock file of ``pipe_dir``: its fd and path. SetupError
+    (one line) when it cannot, or when it is not a regular file of root or mpsd's user."""
+    path = lock_path(state_dir, pipe_dir, kind)
+    ensure_dir(path.parent, 0o755, "state dir")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise SetupError(f"pipe dir {pipe}: cannot open {path}: {exc.strerror}") from exc
+        raise SetupError(f"pipe dir {pipe_dir}: cannot open {path}: {exc.strerror}") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o077:
+        os.close(fd)
+        raise SetupError(f"pipe dir {pipe_dir}: {path} is not a 0600 regular file of root or mpsd's user; remove it")
+    return fd, path
+
+
+def hold_pipe_dir(pipe_dir: str, state_dir: str, pid_wait: float | None = None) -> int:
+    """Create and check the pipe dir, then flock its run lock in ``state_dir`` for the life of
+    the caller (the fd returned; :func:`release_pipe_dir` ends it, and so does the process's
+    exit). PipeDirHeld naming the holder's PID when another mpsd holds it (waiting up to
+    ``pid_wait``, by default LOCK_PID_WAIT, for a holder that has just taken it to write it)."""
+    pipe = _absolute(pipe_dir, "pipe dir")
+    ensure_dir(pipe, 0o755, "pipe dir")
+    fd, path = open_lock(state_dir, str(pipe), "run")
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
-            raise SetupError(f"pipe dir {pipe}: {path} is not a regular file of root or mpsd's user; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -7,14 +7,18 @@ sockets there; a process's name is chosen by the process. So only what the kerne
 1. the process that called ``listen()`` on ``control_privileged`` (``SO_PEERCRED``,
    mpsd.daemon.peer.listener_pid) is P, and ``control`` is served by P too or by no one;
 2. P holds the write lock on this directory's ``control_lock`` (``F_GETLK``; a POSIX lock
-   belongs to the file's inode, so a daemon of another directory cannot hold it);
+   belongs to the file's inode, so a daemon of another directory cannot hold it). The file is
+   0666: any local user can open it read-write and wait for that lock, so the lock alone
+   proves nothing. Its holder is a daemon only once 3-5 hold for it
+   (:func:`daemon_lock_holder`); otherwise the lock is nobody's and the file is replaced;
 3. P lives in mpsd's PID namespace (MPS names its clients by PID) and runs as root or as
    mpsd's user;
 4. P's executable (``/proc/P/exe``) is ``controlBinary``: the same file, the same bytes, or
    a copy of the same driver version (the version string NVIDIA builds into the binary). Of
    another version it is refused as such: a front-end and a daemon of two versions are not
    meant to talk;
-5. P's environment names this pipe directory (``CUDA_MPS_PIPE_DIRECTORY``).
+5. P's environment names this pipe directory (``CUDA_MPS_PIPE_DIRECTORY``), compared resolved:
+   another spelling of the same directory (a symlink on the way) is one line naming both.
 
 P is then held through a pidfd opened before the checks and found still running after them:
 a PID cannot be reused while its process runs, so every fact read by PID was P's.
@@ -24,14 +28,20 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import select
 import shutil
 import stat
+import struct
 from dataclasses import dataclass
 
-from . import dirs, peer
+from ..logs import OncePerKey
+from . import backlog, peer
+
+log = logging.getLogger(__name__)
+_said = OncePerKey(64)  # lines said once per holder or spelling, not at every retry
 
 VERSION = re.compile(rb"\x00(\d{3}\.\d{1,3}\.\d{2})\x00")  # "535.261.03", "555.58.02": NUL-terminated
 PROGRAM_LIMIT = 256 << 20  # bytes read of an executable to compare it or find its version
@@ -82,9 +92,26 @@ def status_uids(status: str) -> tuple[int, ...]:
 
 
 def control_lock_holder(pipe_dir: str) -> int | None:
-    """The PID holding the daemon's write lock on pipe_dir/control_lock, None when none does
-    (a read lock is anyone's: mpsd.daemon.dirs.daemon_holds_lock)."""
+    """The PID holding a write lock on pipe_dir/control_lock, None when none does (a read lock
+    is anyone's). Not yet a daemon: :func:`daemon_lock_holder` proves it one."""
     return write_lock_holder(os.path.join(pipe_dir, "control_lock"))
+
+
+def daemon_lock_holder(pipe_dir: str, binary: str, proc: str = "/proc") -> int | None:
+    """The PID holding the write lock on pipe_dir/control_lock once it is proven a control
+    daemon (3-5 above, of any driver version); None when none does or its holder is no daemon:
+    then one line names it (once) and the lock is nobody's (the file is replaced, as for a
+    read lock, mpsd.daemon.dirs.prepare)."""
+    pid = control_lock_holder(pipe_dir)
+    if pid is None:
+        return None
+    problem, impostor = process_problem(pid, pipe_dir, binary, proc)
+    if not impostor:
+        return pid
+    if _said.first(f"lock {pipe_dir} {pid}"):
+        log.warning("%s/control_lock is write-locked by %s, which is no control daemon (%s): the lock is "
+                    "nobody's, the file is replaced", pipe_dir, peer.describe(pid, proc), problem)  # fmt: skip
+    return None
 
 
 def write_lock_holder(path: str) -> int | None:
@@ -95,12 +122,23 @@ def write_lock_holder(path: str) -> int | None:
     except OSError:
         return None
     try:
-        kind, pid = dirs.lock_holder(fd)
+        kind, pid = lock_holder(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
     return pid if kind == fcntl.F_WRLCK and pid > 0 else None
+
+
+_FLOCK = "hhqqi4x"  # struct flock (x86-64, arm64): l_type, l_whence, l_start, l_len, l_pid
+
+
+def lock_holder(fd: int) -> tuple[int, int]:
+    """(F_UNLCK, 0), or the type (F_RDLCK/F_WRLCK) and PID of a POSIX lock on the whole file
+    held by another process (F_GETLK)."""
+    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    return kind, pid
 
 
 def exited(pidfd: int) -> bool:
@@ -168,8 +206,29 @@ def process_problem(pid: int, pipe_dir: str, binary: str, proc: str = "/proc") -
         return problem, impostor
     theirs = environ_pipe_dir(environ)
     if theirs != os.path.normpath(pipe_dir):
-        return f"{who} is the daemon of pipe dir {theirs}, not of {pipe_dir}", True
+        if not same_dir(pipe_dir, theirs, pid, proc):
+            return f"{who} is the daemon of pipe dir {theirs}, not of {pipe_dir}", True
+        if _said.first(f"spelling {pid} {theirs} {pipe_dir}"):
+            log.warning("the daemon %s names its pipe dir %s, mpsd %s: the same directory, spelled two ways",
+                        who, theirs, pipe_dir)  # fmt: skip
     return "", False
+
+
+def same_dir(ours: str, theirs: str, pid: int, proc: str = "/proc") -> bool:
+    """True if ``theirs`` (a path in the view of process ``pid``) is the directory ``ours``:
+    the same inode, reached from mpsd's root or from the process's own (/proc/PID/root)."""
+    try:
+        want = os.stat(ours)
+    except OSError:
+        return False
+    for path in (theirs, f"{proc}/{pid}/root{theirs}"):
+        try:
+            have = os.stat(path)
+        except OSError:
+            continue
+        if (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False
 
 
 def prove(pipe_dir: str, binary: str, proc: str = "/proc", tries: int = 3) -> Proof:
@@ -187,10 +246,10 @@ def _prove_once(pipe_dir: str, binary: str, proc: str) -> tuple[Proof, bool]:
     lock = control_lock_holder(pipe_dir)
     listener = peer.listener_pid(privileged)
     if listener is None:
-        if lock is None:
+        if lock is None or daemon_lock_holder(pipe_dir, binary, proc) is None:  # no daemon's lock: nobody's
             return Proof(), False  # nothing runs here: at most files a dead daemon left
-        return Proof(problem=f"{peer.describe(lock, proc)} holds {pipe_dir}/control_lock but nobody answers "
-                     f"{privileged}"), False  # fmt: skip
+        return Proof(problem=f"{peer.describe(lock, proc)} holds {pipe_dir}/control_lock but "
+                     f"{backlog.why_no_answer(privileged, lock, proc)}"), False  # fmt: skip
     if listener == 0:
         return Proof(problem=f"{privileged} is served by a process outside mpsd's PID namespace", impostor=True), False
     changed = Proof(problem=f"the process serving {privileged} (pid {listener}) exited or changed while it was checked")

@@ -9,10 +9,13 @@ from release to release is in ``mpsd run``, which adopts the holder's daemon and
 holder is installed once and rarely upgraded (its own DaemonSet with ``updateStrategy: OnDelete``,
 or its own systemd unit), while ``mpsd run`` rolls.
 
-Its contract with ``mpsd run``: a POSIX write lock on ``pipeDir/mpsd-holder.lock`` for the
-holder's life (``F_GETLK`` names its PID), and the daemon's own sockets and ``control_lock``.
-A daemon that runs when the holder starts (one ``mpsd run`` started detached while no holder
-ran) is waited for, not replaced: the holder starts its own once that one exits.
+Its contract with ``mpsd run``: a POSIX write lock on its lock file in ``stateDir/locks``
+(mpsd.daemon.dirs.lock_path: where no pod can open it) for the holder's life (``F_GETLK``
+names its PID), and the daemon's own sockets and ``control_lock``. A daemon that runs when the
+holder starts (one ``mpsd run`` started detached while no holder ran) is waited for, not
+replaced: the holder starts its own once that one exits. A write lock on ``control_lock`` is a
+daemon's only once its holder is proven one (mpsd.daemon.genuine.daemon_lock_holder): a local
+user waiting for that lock on the 0666 file is nobody, and the file is replaced.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import logging
 import os
 import queue
 import signal
-import stat
 import sys
 import time
 from pathlib import Path
@@ -32,7 +34,7 @@ from ..daemon import dirs, genuine, multiuser, peer
 from ..daemon.control import Control
 from ..daemon.process import DaemonProcess, quit_daemon
 from ..errors import SetupError
-from .independent import HOLDER_LOCK
+from .independent import HOLDER
 from .supervisor import backoff_delay
 
 log = logging.getLogger(__name__)
@@ -40,48 +42,34 @@ log = logging.getLogger(__name__)
 FOREIGN_POLL = 1.0  # seconds between looks at a daemon the holder did not start, besides its pidfd
 
 
-def hold_lock(pipe_dir: str, tries: int = 2) -> int:
-    """Create and check the pipe dir, then take the holder's lock for the caller's life (the fd
-    returned). SetupError naming the other holder's PID when one runs. A read lock there is
-    nobody's claim (a root pod handed the pipe dir can take one on any file it can open, as on
-    control_lock, mpsd.daemon.dirs): logged, and the file replaced."""
-    pipe = Path(os.path.normpath(pipe_dir))
+def hold_lock(config: cfg.Config) -> int:
+    """Create and check the pipe dir, then take the holder's lock (in stateDir) for the
+    caller's life (the fd returned). SetupError naming the other holder's PID when one runs."""
+    pipe = Path(os.path.normpath(config.pipe_dir))
     if not pipe.is_absolute():
-        raise SetupError(f"pipe dir {pipe_dir!r}: expected an absolute path")
+        raise SetupError(f"pipe dir {config.pipe_dir!r}: expected an absolute path")
     dirs.ensure_dir(pipe, 0o755, "pipe dir")
-    path = pipe / HOLDER_LOCK
-    for attempt in range(tries):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise SetupError(f"pipe dir {pipe}: cannot open {path}: {exc.strerror}") from exc
-        try:
-            kind, pid = _lock(fd, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        if kind is None:
-            return fd
+    fd, path = dirs.open_lock(config.state_dir, str(pipe), HOLDER)
+    try:
+        kind, pid = _lock(fd, path)
+    except BaseException:
         os.close(fd)
-        if kind != fcntl.F_RDLCK or attempt == tries - 1:
-            raise SetupError(
-                f"pipe dir {pipe}: another mpsd holder (pid {pid or 'unknown'}) holds {path}; one holder per pipe dir"
-            )
-        log.warning("%s read-locked by pid %d, not a holder: replacing it", path, pid)
-        os.unlink(path)
-    raise AssertionError("unreachable")
+        raise
+    if kind is None:
+        return fd
+    os.close(fd)
+    raise SetupError(
+        f"pipe dir {pipe}: another mpsd holder (pid {pid or 'unknown'}) holds {path}; one holder per pipe dir"
+    )
 
 
 def _lock(fd: int, path: Path) -> tuple[int | None, int]:
     """(None, 0) once ``fd`` is write-locked; else the kind and PID of the lock in the way."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
-        raise SetupError(f"pipe dir {path.parent}: {path} is not a regular file of root or mpsd's user; remove it")
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return None, 0
     except OSError:
-        return dirs.lock_holder(fd)
+        return genuine.lock_holder(fd)
 
 
 class Holder:
@@ -107,13 +95,13 @@ class Holder:
         policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
         log.info("%s", multiuser.describe_policy(policy))
         while True:
-            foreign = genuine.control_lock_holder(self.config.pipe_dir)
+            foreign = genuine.daemon_lock_holder(self.config.pipe_dir, c.control_binary)
             if foreign is not None:
                 if self._await_foreign(foreign):
                     return 0
                 continue
             try:
-                dirs.prepare(self.config.pipe_dir, self.config.log_dir)
+                dirs.prepare(self.config.pipe_dir, self.config.log_dir, c.control_binary)
                 daemon = DaemonProcess(self.config, lambda d, code: self._events.put(("exited", d, code)),
                                        options=policy.options)
             except SetupError as exc:
@@ -197,7 +185,7 @@ def holder_main(config: cfg.Config) -> int:
     logging.getLogger().setLevel(config.log_level.upper())
     holder = Holder(config)
     holder.install_signal_handlers()
-    lock = hold_lock(config.pipe_dir)
+    lock = hold_lock(config)
     try:
         log.info("holder pid=%d pipe_dir=%s control_binary=%s", os.getpid(), config.pipe_dir, config.control_binary)
         return holder.run()

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from .. import config as cfg
@@ -31,9 +30,11 @@ from ..errors import ControlError, MpsdError, SetupError
 
 log = logging.getLogger(__name__)
 
-# In the pipe dir: write-locked (POSIX) by the holder for its life, and left there after it as
-# the sign that this pipe dir's daemon is a holder's (mpsd run then waits for it, never starting one).
-HOLDER_LOCK = "mpsd-holder.lock"
+# mpsd.daemon.dirs.lock_path's kind for the holder's lock (in stateDir/locks, where no pod can
+# open it): write-locked (POSIX) by the holder for its life, and left there after it as the sign
+# that this pipe dir's daemon is a holder's (mpsd run then waits for it, never starting one).
+HOLDER = "holder"
+LEGACY_HOLDER_LOCK = "mpsd-holder.lock"  # where holders before 0.2 took it: in the pipe dir
 
 
 class Waiting(ControlError):
@@ -48,10 +49,23 @@ class Refused(ControlError):
         self.impostor, self.owner = proof.impostor, proof.owner
 
 
-def holder_pid(pipe_dir: str) -> int | None:
+def holder_pid(config: cfg.Config) -> int | None:
     """The PID of the ``mpsd holder`` keeping this pipe dir's daemon, None when none runs (a
-    read lock is anyone's)."""
-    return genuine.write_lock_holder(os.path.join(pipe_dir, HOLDER_LOCK))
+    read lock is anyone's). A holder of an earlier release locks the file in the pipe dir,
+    where no pod can take a write lock (a read-only mount gives read-only descriptors)."""
+    path = dirs.lock_path(config.state_dir, config.pipe_dir, HOLDER)
+    pid = genuine.write_lock_holder(str(path))
+    return pid if pid is not None else genuine.write_lock_holder(os.path.join(config.pipe_dir, LEGACY_HOLDER_LOCK))
+
+
+def holder_marker(config: cfg.Config) -> str:
+    """The holder's lock file if one was ever made for this pipe dir ("" if none): a holder is
+    installed here, and its daemon is awaited rather than replaced."""
+    for path in (str(dirs.lock_path(config.state_dir, config.pipe_dir, HOLDER)),
+                 os.path.join(config.pipe_dir, LEGACY_HOLDER_LOCK)):  # fmt: skip
+        if os.path.lexists(path):
+            return path
+    return ""
 
 
 class AdoptedDaemon:
@@ -187,15 +201,16 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     if proof.pid is not None:
         return AdoptedDaemon(proof.pid, proof.pidfd, on_exit, fresh=False)  # type: ignore[arg-type]
     if proof.problem:
-        if not proof.impostor or proof.owner is not None or genuine.control_lock_holder(config.pipe_dir):
+        if not proof.impostor or proof.owner is not None or \
+                genuine.daemon_lock_holder(config.pipe_dir, config.control_binary):  # fmt: skip
             raise Refused(proof)
         on_refused(Refused(proof))
-    holder = holder_pid(config.pipe_dir)
+    holder = holder_pid(config)
     if holder is not None:
         raise Waiting(f"no control daemon on pipe dir {config.pipe_dir}: waiting for the holder "
                       f"{peer.describe(holder)} to start it")  # fmt: skip
-    marker = os.path.join(config.pipe_dir, HOLDER_LOCK)
-    if os.path.lexists(marker):  # a holder is installed here: its daemon is awaited, not replaced by one of ours
+    marker = holder_marker(config)
+    if marker:  # a holder is installed here: its daemon is awaited, not replaced by one of ours
         raise Waiting(f"no control daemon on pipe dir {config.pipe_dir} and no mpsd holder running, though one "
                       f"kept it before ({marker}): waiting for the holder; remove that file if it is gone for good")
     where = confining_cgroup(_self_cgroup())
@@ -213,9 +228,9 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     if proof.absent and os.path.lexists(os.path.join(config.pipe_dir, "control_privileged")):
         log.warning("pipe dir %s: nobody answers control_privileged (files of a daemon that is gone): "
                     "replacing them", config.pipe_dir)  # fmt: skip
-    if dirs.daemon_holds_lock(Path(os.path.normpath(config.pipe_dir))):
+    if genuine.daemon_lock_holder(config.pipe_dir, config.control_binary) is not None:
         raise Waiting(f"a control daemon is starting on pipe dir {config.pipe_dir}")  # raced in since the proof
-    dirs.prepare(config.pipe_dir, config.log_dir)
+    dirs.prepare(config.pipe_dir, config.log_dir, config.control_binary)
     start_detached(config, options)
     proof = genuine.prove(config.pipe_dir, config.control_binary)
     if proof.pid is None:
@@ -247,9 +262,9 @@ def stop_daemon(config: cfg.Config) -> str:
     """``mpsd stop-daemon``: quit the pipe dir's genuine daemon (``quit -t shutdownTimeout``,
     then SIGKILL of what is left), holding the pipe dir meanwhile so that no ``mpsd run`` starts
     one. What was done, in one line; MpsdError (one line) when it is not this command's to do."""
-    lock = dirs.hold_pipe_dir(config.pipe_dir)  # SetupError naming a running mpsd run
+    lock = dirs.hold_pipe_dir(config.pipe_dir, config.state_dir)  # SetupError naming a running mpsd run
     try:
-        holder = holder_pid(config.pipe_dir)
+        holder = holder_pid(config)
         if holder is not None:
             raise MpsdError(
                 f"pipe dir {config.pipe_dir}: the holder {peer.describe(holder)} keeps the daemon and would start "

@@ -1,6 +1,7 @@
 """A second ``mpsd run`` on a pipe dir another one holds, during a rollout: it stands by.
 
-Only one ``mpsd run`` supervises a pipe dir (the flock on ``mpsd.lock``, mpsd/daemon/dirs.py). A
+Only one ``mpsd run`` supervises a pipe dir (the flock on its run lock in ``stateDir/locks``,
+where no pod can open it: mpsd/daemon/dirs.py). A
 DaemonSet rolling with ``maxSurge`` starts the new mpsd pod while the old one still runs on
 the node, and deletes the old one only once the new one is Ready: a new mpsd that exited there
 would crash-loop and stall the rollout for good. So, under ``daemonLifecycle: independent``
@@ -17,7 +18,7 @@ and as one instance of a rollout, the new one stands by:
 - **Ready** while its faces serve and the daemon is supervised by the other instance: the
   lock is held by a live process (the failed ``flock``: the kernel drops a lock with the last
   descriptor of the process that took it, and only root or mpsd's user can open the 0600 file
-  in a pipe dir mpsd checked) and the daemon on the pipe dir is proven genuine
+  in a state dir mpsd checked, which no pod is handed) and the daemon on the pipe dir is proven genuine
   (mpsd.daemon.genuine.prove: SO_PEERCRED, F_GETLK, /proc; it connects to the sockets and sends
   nothing), every healthInterval. What the other supervisor's health checks find (a FAULT, a
   hang) is not seen here: that one's /readyz says it.
@@ -75,7 +76,7 @@ class Standby:
         self._follow(held.pid)
         log.info("pipe dir %s: another mpsd run (%s) holds %s: standing by as instance %s until it exits "
                  "(daemonLifecycle independent; the kubelet faces serve meanwhile)", config.pipe_dir,
-                 self._who(), os.path.join(config.pipe_dir, dirs.LOCK_FILE), instance)  # fmt: skip
+                 self._who(), dirs.lock_path(config.state_dir, config.pipe_dir, "run"), instance)  # fmt: skip
 
     @classmethod
     def instead_of(cls, config: cfg.Config, held: dirs.PipeDirHeld, environ: Mapping[str, str] = os.environ,
@@ -157,7 +158,7 @@ class Standby:
         next_look = time.monotonic() + interval
         while not self.stopped:
             try:  # no PID yet: a holder that has just taken it, or one letting it go (tried again soon)
-                self.fd = dirs.hold_pipe_dir(self.config.pipe_dir, pid_wait=0)
+                self.fd = dirs.hold_pipe_dir(self.config.pipe_dir, self.config.state_dir, pid_wait=0)
             except dirs.PipeDirHeld as exc:
                 if exc.pid is not None:
                     self._follow(exc.pid, announce=True)

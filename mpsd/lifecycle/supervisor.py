@@ -242,7 +242,7 @@ class Supervisor:
         options = self._uid_policy.options if self._uid_policy else ()  # mpsd.daemon.multiuser
         if self._independent:
             return independent.attach(self.config, self._exited_cb, self._adoption.report, options)
-        dirs.prepare(self.config.pipe_dir, self.config.log_dir)
+        dirs.prepare(self.config.pipe_dir, self.config.log_dir, self.config.control_binary)
         return DaemonProcess(self.config, self._exited_cb, options=options,
                              **(self.v3.daemon_options() if self.v3 else {"args": self.daemon_args}))
 

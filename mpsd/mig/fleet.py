@@ -14,7 +14,7 @@ a control daemon per instance with
 
 Each daemon is an ordinary :class:`mpsd.lifecycle.supervisor.Supervisor` in a thread of its own: health
 checks, restarts with backoff, defaults applied and restored, FAULT, impostor checks, its pipe
-dir locked (``mpsd.lock``) against a second mpsd. :class:`MigFleet` starts and stops them as
+dir locked (its run lock in stateDir) against a second mpsd. :class:`MigFleet` starts and stops them as
 instances appear and vanish (``reconcile``, called every inventory round), and keeps the node's
 HealthBoard's ``mig_healthy`` (instances whose daemon serves, configured and without FAULT) and
 ``mig_layout`` current, so the faces' device health follows each instance's own daemon.
@@ -110,7 +110,8 @@ class InstanceDaemon:
         self.board = HealthBoard()
         self.problem = ""  # why it stopped on its own (a first start that could not begin)
         self._notify = notify
-        self._lock = dirs.hold_pipe_dir(self.config.pipe_dir)  # SetupError: another mpsd serves it
+        c = self.config
+        self._lock = dirs.hold_pipe_dir(c.pipe_dir, c.state_dir)  # SetupError: another mpsd serves it
         self.supervisor = Supervisor(self.config, self.board, gpu_indices=lambda: [0],
                                      on_status=lambda status: notify(),
                                      daemon_args=("-S",) if device.sm_partitions else ())

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mpsd.daemon import dirs
+from mpsd.daemon import dirs, genuine
 from mpsd.errors import SetupError
 
 
@@ -62,7 +62,7 @@ def test_lock_held_by_another_process_is_refused(tmp_path):
     )
     try:
         assert holder.stdout.readline() == b"x\n"
-        with pytest.raises(SetupError, match="another nvidia-cuda-mps-control holds"):
+        with pytest.raises(SetupError, match=r"another nvidia-cuda-mps-control \(pid \d+ .*\) holds"):
             dirs.prepare(str(pipe), str(tmp_path / "log"))
         assert lock.exists()  # nothing of the live daemon removed
     finally:
@@ -118,9 +118,38 @@ def test_unlocked_lock_file_is_stale(tmp_path):
     fd = os.open(pipe / "control_lock", os.O_RDWR | os.O_CREAT)
     fcntl.lockf(fd, fcntl.LOCK_EX)  # our own lock: POSIX locks do not conflict within one process
     try:
-        assert dirs.daemon_holds_lock(pipe) is False
+        assert genuine.daemon_lock_holder(str(pipe), "nvidia-cuda-mps-control") is None
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize(("resolved", "key"), [
+    ("/run/mpsd-pipe", "run-mpsd\\x2dpipe"),
+    ("/tmp/nvidia-mps", "tmp-nvidia\\x2dmps"),
+    ("/run/mpsd/mig/MIG-1a2b", "run-mpsd-mig-MIG\\x2d1a2b"),
+    ("/a/.hidden", "a-.hidden"),
+    ("/.x", "\\x2ex"),
+    ("/a b/\\é", "a\\x20b-\\x5c\\xc3\\xa9"),
+    ("/", "-"),
+])
+def test_lock_key_is_readable_and_one_to_one(resolved, key):
+    assert dirs.lock_key(resolved) == key
+
+
+def test_mpsds_locks_live_in_the_state_dir_keyed_by_the_resolved_pipe_dir(tmp_path):
+    (tmp_path / "real" / "pipe").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    state = str(tmp_path / "state")
+    fd = dirs.hold_pipe_dir(str(tmp_path / "real" / "pipe"), state)
+    try:
+        assert os.listdir(tmp_path / "real" / "pipe") == []  # nothing of mpsd's where pods look
+        with pytest.raises(dirs.PipeDirHeld) as held:  # another spelling of the same directory
+            dirs.hold_pipe_dir(str(tmp_path / "link" / "pipe"), state)
+        assert held.value.pid == os.getpid()
+        (lock,) = (tmp_path / "state" / "locks").iterdir()
+        assert lock.name.endswith("-real-pipe.run.lock") and stat.S_IMODE(lock.stat().st_mode) == 0o600
+    finally:
+        dirs.release_pipe_dir(fd)
 
 
 # ---- directories a local user could plant (/tmp is writable by all)

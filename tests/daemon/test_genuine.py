@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mpsd.daemon import dirs, genuine
+from mpsd.daemon import dirs, genuine, peer
 from mpsd.lifecycle import independent
 from tests.rollout import REPO, wait_until
 
@@ -224,3 +224,41 @@ POD_CGROUP = (
 )
 def test_confining_cgroup(cgroup, where):
     assert independent.confining_cgroup(cgroup) == where
+
+
+@pytest.mark.mps_binary
+@pytest.mark.every_mps_version
+def test_a_daemon_running_as_another_non_root_uid_is_not_adopted(config, daemons):
+    """The real daemon started by UID 1000 on a pipe dir of its own: the same binary and pipe
+    dir, its own lock, its own sockets; only its UID is wrong (guard 3: root or mpsd's user)."""
+    dirs.prepare(config.pipe_dir, config.log_dir, config.control_binary)
+    for path in (config.pipe_dir, config.log_dir):
+        os.chown(path, 1000, 1000)
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=config.pipe_dir, CUDA_MPS_LOG_DIRECTORY=config.log_dir)
+    subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", config.control_binary, "-d"],
+                   env=env, check=True, timeout=30, capture_output=True)  # fmt: skip
+    pid = wait_until(lambda: genuine.control_lock_holder(config.pipe_dir), "the UID 1000 daemon")
+    daemons.append(pid)
+    assert psutil.Process(pid).uids().effective == 1000
+    proof = proved(config)
+    assert proof.pid is None and proof.impostor
+    assert proof.problem.endswith("runs as uid 1000, not as root or mpsd's user"), proof.problem
+    assert genuine.daemon_lock_holder(config.pipe_dir, config.control_binary) is None  # its lock is nobody's
+
+
+@pytest.mark.mps_binary
+@pytest.mark.every_mps_version
+def test_a_daemon_in_another_pid_namespace_is_not_adopted(config, procs):
+    """The real daemon started under ``unshare -p -f`` (root, the same binary and pipe dir):
+    MPS names clients by PID, so a daemon that sees other PIDs is not this node's (guard 3)."""
+    dirs.prepare(config.pipe_dir, config.log_dir, config.control_binary)
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=config.pipe_dir, CUDA_MPS_LOG_DIRECTORY=config.log_dir)
+    unshared = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", config.control_binary, "-f"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    procs.append(unshared)
+    pid = wait_until(lambda: peer.listener_pid(os.path.join(config.pipe_dir, "control_privileged")),
+                     "the daemon in its own PID namespace")  # fmt: skip
+    assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    proof = proved(config)
+    assert proof.pid is None and proof.impostor
+    assert proof.problem.endswith("runs in another PID namespace than mpsd"), proof.problem

@@ -91,6 +91,8 @@ def test_the_holder_shares_the_daemons_host_paths_and_ipc_with_mpsd(install: lis
     ours, theirs = host_mounts(holder), host_mounts(mpsd)
     for path in (cfg["pipeDir"], cfg["logDir"]):
         assert ours[path] == theirs[path] == path
+    locks = f"{cfg['stateDir'].rstrip('/')}/locks"  # mpsd's locks, the holder's included (mpsd/daemon/dirs.py)
+    assert ours[locks] == locks and theirs[cfg["stateDir"]] == cfg["stateDir"]
     assert holder["hostPID"] is mpsd["hostPID"] is True
     assert holder.get("hostIPC", False) is mpsd.get("hostIPC", False)
     assert ours.get("/dev/shm") == theirs.get("/dev/shm")
@@ -111,7 +113,8 @@ def test_the_holder_gets_only_what_the_daemon_needs(install: list[dict[str, Any]
     (container,) = holder["containers"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     shm = {"/dev/shm"} if cfg["devicePlugin"]["ipcMode"] == "tmpfs" else set()
-    assert mounts == {"/etc/mpsd", cfg["pipeDir"], cfg["logDir"]} | shm  # no kubelet, state or CDI dir
+    locks = f"{cfg['stateDir'].rstrip('/')}/locks"
+    assert mounts == {"/etc/mpsd", cfg["pipeDir"], cfg["logDir"], locks} | shm  # no kubelet, CDI or other state
     assert not {"ports", "livenessProbe", "readinessProbe", "startupProbe"} & set(container)
     ctx, theirs = container["securityContext"], mpsd["containers"][0]["securityContext"]
     assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False

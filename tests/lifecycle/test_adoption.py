@@ -195,7 +195,7 @@ def test_two_runs_at_once_on_a_running_daemon_one_adopts_it_the_other_says_who(m
         wait_until(node.ready, "the winner ready")
         out = [line for line in read(loser).splitlines() if not line[:4].isdigit()]  # not a log record
         assert loser.returncode == 1 and out == [
-            f"mpsd: pipe dir {node.pipe}: another mpsd run (pid {winner.pid}) holds {node.pipe}/mpsd.lock; "
+            f"mpsd: pipe dir {node.pipe}: another mpsd run (pid {winner.pid}) holds {node.lock('run')}; "
             "stop it or give this one another pipeDir"
         ], read(loser)
         assert stop(winner) == 0
@@ -210,7 +210,7 @@ def test_owned_mode_refuses_a_running_daemon_with_one_line_saying_what_to_do(con
     r.thread.join(30)
     (error,) = r.result
     assert isinstance(error, SetupError) and "\n" not in str(error)
-    assert "another nvidia-cuda-mps-control holds" in str(error)
+    assert f"another nvidia-cuda-mps-control (pid {pid} " in str(error) and "holds" in str(error)
     assert "stop it (mpsd stop-daemon), adopt it (daemonLifecycle: independent)" in str(error)
     assert not dead(pid) and genuine.control_lock_holder(config.pipe_dir) == pid
 

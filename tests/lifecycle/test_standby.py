@@ -100,7 +100,7 @@ def test_sigterm_while_standing_by_exits_0_and_touches_nothing(node):
     assert "stopped while standing by: the control daemon and the other mpsd run left alone" in read(new)
     assert node.daemon_pid() == daemon and old.poll() is None and node.ready()
     assert settled_commands(node) == commands
-    assert (node.pipe / "mpsd.lock").read_text().strip() == str(old.pid)  # the old one's still
+    assert node.lock("run").read_text().strip() == str(old.pid)  # the old one's still
 
 
 def test_a_standby_acts_on_nothing_an_impostor_serves(node, procs):
@@ -176,7 +176,7 @@ def test_a_second_run_that_is_no_rollout_instance_still_exits_1_naming_the_first
     second = node.spawn("run", env, **{"daemon-lifecycle": lifecycle, "metrics-address": f"127.0.0.1:{free_port()}"})
     assert second.wait(60) == 1
     lines = [line for line in read(second).splitlines() if not LOG_RECORD.match(line)]
-    assert lines == [f"mpsd: pipe dir {node.pipe}: another mpsd run (pid {first.pid}) holds {node.pipe}/mpsd.lock; "
+    assert lines == [f"mpsd: pipe dir {node.pipe}: another mpsd run (pid {first.pid}) holds {node.lock('run')}; "
                      "stop it or give this one another pipeDir"]
     assert first.poll() is None
 

@@ -23,7 +23,8 @@ from mpsd.lifecycle.standby import Standby, instance_of
 
 REPO = Path(__file__).resolve().parents[2]
 UID = "7c1e2d3f-4a5b-4c6d-9e8f-1a2b3c4d5e6f"
-HOLD = "import sys, time; from mpsd.daemon import dirs; dirs.hold_pipe_dir(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+HOLD = ("import sys, time; from mpsd.daemon import dirs; dirs.hold_pipe_dir(sys.argv[1], sys.argv[2]); "
+        "print('held', flush=True); time.sleep(600)")
 
 
 @pytest.fixture
@@ -31,20 +32,28 @@ def pipe(tmp_path) -> Path:
     return tmp_path / "pipe"
 
 
+def state(pipe: Path) -> str:
+    return str(pipe.parent / "state")
+
+
+def lock_file(pipe: Path) -> Path:
+    return dirs.lock_path(state(pipe), str(pipe), "run")
+
+
 def config(pipe: Path, **extra: str) -> cfg.Config:
-    return cfg.load(None, {}, {"pipe-dir": str(pipe), "log-dir": str(pipe.parent / "log"),
+    return cfg.load(None, {}, {"pipe-dir": str(pipe), "log-dir": str(pipe.parent / "log"), "state-dir": state(pipe),
                                "daemon-lifecycle": "independent", "health-interval": "0.2s", **extra})
 
 
 def holder(pipe: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(pipe)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(pipe), state(pipe)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc
 
 
 def standby_for(pipe: Path, poll: float = 0.2) -> Standby:
     with pytest.raises(dirs.PipeDirHeld) as held:
-        dirs.hold_pipe_dir(str(pipe))
+        dirs.hold_pipe_dir(str(pipe), state(pipe))
     return Standby(config(pipe), held.value, UID, poll=poll)
 
 
@@ -73,7 +82,7 @@ def test_the_lock_is_taken_whenever_its_holder_goes(pipe):
             fd = waiting.join()
             assert fd is not None and fd == standby.fd, f"round {round_}"
             with pytest.raises(dirs.PipeDirHeld) as again:  # held now: by this process
-                dirs.hold_pipe_dir(str(pipe))
+                dirs.hold_pipe_dir(str(pipe), state(pipe))
             assert again.value.pid == os.getpid()
             dirs.release_pipe_dir(fd)
         finally:
@@ -94,7 +103,7 @@ def test_a_stop_while_standing_by_takes_nothing(pipe):
         assert waiting.join() is None and standby.fd is None
         assert time.monotonic() - began < 4.0
         with pytest.raises(dirs.PipeDirHeld) as held:
-            dirs.hold_pipe_dir(str(pipe))
+            dirs.hold_pipe_dir(str(pipe), state(pipe))
         assert held.value.pid == proc.pid
     finally:
         standby.close()
@@ -194,11 +203,11 @@ def test_a_lock_held_with_no_pid_in_it_does_not_stall_the_standby(pipe, monkeypa
     standby = standby_for(pipe)
     first.kill()
     first.wait()
-    bare = subprocess.Popen([sys.executable, "-c", BARE, str(pipe / dirs.LOCK_FILE)], stdin=subprocess.PIPE,
+    bare = subprocess.Popen([sys.executable, "-c", BARE, str(lock_file(pipe))], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert bare.stdout is not None and bare.stdout.readline() == "held\n"
-        (pipe / dirs.LOCK_FILE).write_text("")  # what release_pipe_dir leaves before its close
+        lock_file(pipe).write_text("")  # what release_pipe_dir leaves before its close
         waiting = Waiting(standby)
         time.sleep(0.5)
         began = time.monotonic()
