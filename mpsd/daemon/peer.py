@@ -62,23 +62,50 @@ def parse_stat_ppid(stat: str) -> int | None:
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
-_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
-_CONTAINER = re.compile(r"(?:^|/|-)([0-9a-f]{64})(?:\.scope)?(?=/|$)")
+_UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+_KUBEPODS = re.compile(r"(?:kubelet-)?kubepods(?:\.slice)?")  # the kubelet's root (kind: kubelet-kubepods.slice)
+_QOS = re.compile(r"(?:(?:kubelet-)?kubepods-)?(?:besteffort|burstable)(?:\.slice)?")
+_POD = re.compile(rf"(?:(?:kubelet-)?kubepods-(?:besteffort-|burstable-)?)?pod({_UUID})(?:\.slice)?")
+_CONTAINER = re.compile(r"(?:[a-z][a-z-]*-)?([0-9a-f]{64})(?:\.scope)?")  # cri-containerd-, crio-, docker-, libpod-
+_KUBELET_ROOTS = ("kubelet.slice", "kubelet")  # a kubelet's --cgroup-root (kind)
+_RUNTIME_ROOTS = ("machine.slice", "libpod_parent", "system.slice", "docker")  # root's container runtimes
+
+
+def cgroup_path_owner(path: str) -> str:
+    """``pod <uid> container <id12>`` (or ``container <id12>``) for a cgroup path, read at fixed
+    depths: a pod is the component right under the kubelet's root (or its QoS class), its
+    container the component right under the pod; a container of root's runtimes the component
+    right under theirs. Whatever lies deeper (child cgroups a delegated container creates, named
+    as it likes) is not read, and a path under any other root (a user's delegated tree on a
+    bare host, a rootless runtime) names no one: "" then. A path that climbs out of mpsd's
+    cgroup namespace (``/../..``, mpsd in a pod of its own) may start at the QoS class or pod."""
+    parts = [part for part in path.split("/") if part]
+    relative = parts[:1] == [".."]
+    while parts[:1] == [".."]:
+        parts.pop(0)
+    if not relative and len(parts) > 1 and parts[0] in _RUNTIME_ROOTS:
+        container = _CONTAINER.fullmatch(parts[1])
+        return f"container {container.group(1)[:12]}" if container else ""
+    if parts[:1] and parts[0] in _KUBELET_ROOTS:
+        parts.pop(0)
+    at = 1 if parts[:1] and _KUBEPODS.fullmatch(parts[0]) else 0
+    if at == 0 and not relative:
+        return ""  # not under the kubelet's root: no pod
+    at += 1 if len(parts) > at and _QOS.fullmatch(parts[at]) else 0
+    pod = _POD.fullmatch(parts[at]) if len(parts) > at else None
+    if pod is None:
+        return ""
+    container = _CONTAINER.fullmatch(parts[at + 1]) if len(parts) > at + 1 else None
+    return f"pod {pod.group(1).replace('_', '-')}" + (f" container {container.group(1)[:12]}" if container else "")
 
 
 def cgroup_owner(text: str) -> str:
-    """``pod <uid> container <id12>`` (or ``container <id12>``) from /proc/PID/cgroup; "" on a host."""
+    """The owner (cgroup_path_owner) of the first line of a /proc/PID/cgroup text that names
+    one; "" on a host."""
     for line in text.splitlines():
-        path = line.split(":", 2)[-1]
-        pod = _POD.search(path)
-        container = next(reversed(list(_CONTAINER.finditer(path))), None)
-        words = []
-        if pod:
-            words.append(f"pod {pod.group(1).replace('_', '-')}")
-        if container:
-            words.append(f"container {container.group(1)[:12]}")
-        if words:
-            return " ".join(words)
+        owner = cgroup_path_owner(line.split(":", 2)[-1])
+        if owner:
+            return owner
     return ""
 
 
