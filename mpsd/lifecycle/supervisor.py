@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..daemon import dirs, drift, logfiles, multiuser, peer
+from ..daemon import dirs, drift, multiuser, peer
 from . import independent
 from ..daemon.computemode import ComputeMode
 from ..config import Config
@@ -32,7 +32,6 @@ from ..errors import ConfigError, ControlBusy, ControlError, ControlImpostor, Co
 from ..daemon.faults import FaultHandler
 from .health import HealthBoard
 from .keeper import Keeper
-from ..logs import OncePerKey
 from ..config.reload import DEFAULT_KEYS, _early_reloads, merge_live
 from .snapshot import Status
 from ..units import format_limits
@@ -93,7 +92,6 @@ class Supervisor:
         )
         self._uid_policy: multiuser.UidPolicy | None = None  # resolved once, at the first start
         self._waiting = multiuser.WaitingWatch(c.pipe_dir)
-        self._log_warned = OncePerKey(16)  # rotation failures, said once each
         self.loop_alive = threading.Event()
 
     # ---- thread-safe entry points
@@ -355,18 +353,7 @@ class Supervisor:
             server_states=states,
             last_error=error,
         )
-        if isinstance(daemon, independent.AdoptedDaemon):  # a detached daemon writes its logs itself
-            self._rotate_logs(daemon.pid)
         self._next_at = time.monotonic() + self.config.health_interval
-
-    def _rotate_logs(self, pid: int) -> None:
-        c = self.config
-        try:
-            for path in logfiles.rotate_held(pid, c.log_dir, c.log_max_size, c.log_keep):
-                log.info("daemon log rotated path=%s (copied to .1 and truncated: the daemon writes it)", path)
-        except OSError as exc:
-            if self._log_warned.first(str(exc)):
-                log.warning("cannot rotate the daemon's log in %s: %s", c.log_dir, exc)
 
     def _no_answer(self, daemon: DaemonProcess | independent.AdoptedDaemon, exc: ControlTimeout) -> None:
         """A health check the daemon did not answer in time: checked again at once, killed as hung
