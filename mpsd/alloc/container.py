@@ -20,6 +20,8 @@ CONTAINER_SHIM_DIR = "/run/mpsd-shim"
 SHIM_NAME = "libmpsshim.so"
 CONTAINER_SHIM = f"{CONTAINER_SHIM_DIR}/{SHIM_NAME}"
 IPC_MODES = ("hostIPC", "tmpfs")
+LOG_FIFO = "log"  # the control daemon's log FIFO in the pipe dir
+DEV_NULL = "/dev/null"
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ def container_mounts(plan: Plan, paths: HostPaths, region_dir: str) -> list[Moun
         # read-only mount; a pod that could write here could plant its own sockets (an impostor
         # daemon), rename or delete the daemon's
         Mount(host=paths.pipe_dir, container=paths.pipe_dir, read_only=True),
+        # the daemon's log FIFO: a read-only mount does not stop writes into a FIFO, and a pod
+        # that fills it (64 KiB) stops the daemon answering anyone. /dev/null over it in the
+        # pod's view takes what the pod writes (docs/security.md: the daemon makes a new FIFO at
+        # each start, which the kernel lets detach this mount in pods started before it)
+        Mount(host=DEV_NULL, container=os.path.join(paths.pipe_dir, LOG_FIFO), read_only=True),
         Mount(host=region_dir, container=CONTAINER_REGION_DIR, read_only=False),
         Mount(host=paths.shim_host_dir, container=CONTAINER_SHIM_DIR, read_only=True),
     ]

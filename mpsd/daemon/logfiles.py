@@ -22,6 +22,8 @@ import os
 import stat
 import time
 
+from ..logs import OncePerKey
+
 log = logging.getLogger(__name__)
 
 HELD_NAMES = ("control.log", "server.log")  # what a detached daemon opens in CUDA_MPS_LOG_DIRECTORY
@@ -49,23 +51,36 @@ def _shift_rotated(path: str, keep: int) -> None:
 def copy_truncate(path: str, max_size: int, keep: int) -> bool:
     """If the regular file ``path`` is over ``max_size`` bytes: its newest ``max_size`` bytes, from
     the first whole line among them, to ``path.1`` (older copies shifted, see shift), then
-    ``path`` truncated to 0. True if it was."""
+    ``path`` truncated to 0. True if it was. A copy that cannot be kept (a full disk, a quota)
+    does not keep the file from being truncated: the old lines are lost, never the disk; the
+    OSError is raised afterwards, saying so."""
     fd, info = _open_regular(path, os.O_RDWR)
     try:
         if info.st_size <= max_size:
             return False
-        if keep:
-            copy = _copy_tail(fd, info.st_size, max_size, f"{path}.1.tmp")
-            try:  # the kept copies move on only once the new one is whole
-                _shift_rotated(path, keep)
-                os.rename(copy, f"{path}.1")
-            except OSError:
-                _unlink(copy)
-                raise
+        lost = None
+        try:
+            if keep:
+                _keep_tail(fd, path, info.st_size, max_size, keep)
+        except OSError as exc:
+            lost = exc
         os.ftruncate(fd, 0)
+        if lost is not None:
+            reason = lost.strerror or str(lost)
+            raise OSError(lost.errno, f"{reason}: truncated without a copy, its last lines are lost", path)
         return True
     finally:
         os.close(fd)
+
+
+def _keep_tail(fd: int, path: str, size: int, max_size: int, keep: int) -> None:
+    copy = _copy_tail(fd, size, max_size, f"{path}.1.tmp")
+    try:  # the kept copies move on only once the new one is whole
+        _shift_rotated(path, keep)
+        os.rename(copy, f"{path}.1")
+    except OSError:
+        _unlink(copy)
+        raise
 
 
 def _open_regular(path: str, flags: int) -> tuple[int, os.stat_result]:
@@ -153,6 +168,37 @@ def rotate_held(pid: int, log_dir: str, max_size: int, keep: int) -> list[str]:
     if failure is not None:
         raise failure
     return rotated
+
+
+class HeldLogs:
+    """The logs a detached daemon writes itself, kept to ``max_size`` from a thread of their own
+    (independent.AdoptedDaemon's watcher): their size is looked at every CHECK_EVERY seconds,
+    far more often than the health interval (a flood of ~300 MB/s reaches no more than that
+    much past the size), and which files the daemon holds every LIST_EVERY seconds. Each
+    failure is said once."""
+
+    CHECK_EVERY = 0.2
+    LIST_EVERY = 2.0
+
+    def __init__(self, log_dir: str, max_size: int, keep: int) -> None:
+        self.log_dir, self.max_size, self.keep = log_dir, max_size, keep
+        self._paths: list[str] = []
+        self._listed_at = -self.LIST_EVERY
+        self._said = OncePerKey(16)
+
+    def check(self, pid: int) -> None:
+        """Rotate (copy_truncate) each log of the daemon ``pid`` that is over the size."""
+        if not self.max_size:
+            return
+        if time.monotonic() - self._listed_at >= self.LIST_EVERY:
+            self._paths, self._listed_at = held_by(pid, self.log_dir), time.monotonic()
+        for path in self._paths:
+            try:
+                if copy_truncate(path, self.max_size, self.keep):
+                    log.info("daemon log rotated path=%s (copied to .1 and truncated: the daemon writes it)", path)
+            except OSError as exc:
+                if self._said.first(str(exc)):
+                    log.warning("cannot rotate the daemon's log in %s: %s", self.log_dir, exc)
 
 
 class LogFile:

@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from .. import config as cfg
-from ..daemon import dirs, genuine, peer
+from ..daemon import dirs, genuine, logfiles, peer
 from ..daemon.control import Control
 from ..daemon.process import daemon_env, quit_daemon
 from ..errors import ControlError, MpsdError, SetupError
@@ -74,8 +74,9 @@ class AdoptedDaemon:
     it was adopted, and only what differs from the config is set again."""
 
     def __init__(self, pid: int, pidfd: int, on_exit: Callable[["AdoptedDaemon", int | None], None],
-                 fresh: bool) -> None:  # fmt: skip
+                 fresh: bool, logs: logfiles.HeldLogs | None = None) -> None:  # fmt: skip
         self.pid, self.fresh = pid, fresh
+        self._logs = logs  # the logs it writes itself, kept to size by the watcher
         self.started = time.monotonic()
         self.returncode: int | None = None  # never known: only a parent can read it
         self.retired_because = ""
@@ -89,9 +90,15 @@ class AdoptedDaemon:
         pidfd = self._pidfd
         if pidfd is None:
             return
-        ready, _, _ = select.select([pidfd, self._wake_r], [], [])
-        if pidfd in ready and self._wake_r not in ready:
-            on_exit(self, None)
+        every = None if self._logs is None else self._logs.CHECK_EVERY
+        while True:
+            ready, _, _ = select.select([pidfd, self._wake_r], [], [], every)
+            if self._wake_r in ready:
+                return
+            if pidfd in ready:
+                return on_exit(self, None)
+            if self._logs is not None:
+                self._logs.check(self.pid)
 
     def alive(self) -> bool:
         return self._pidfd is not None and not genuine.exited(self._pidfd)
@@ -199,7 +206,8 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     ``on_refused`` and replaced: a new daemon (the holder's, or one started here) binds them."""
     proof = genuine.prove(config.pipe_dir, config.control_binary)
     if proof.pid is not None:
-        return AdoptedDaemon(proof.pid, proof.pidfd, on_exit, fresh=False)  # type: ignore[arg-type]
+        logs = _held_logs(config)
+        return AdoptedDaemon(proof.pid, proof.pidfd, on_exit, fresh=False, logs=logs)  # type: ignore[arg-type]
     if proof.problem:
         if not proof.impostor or proof.owner is not None or \
                 genuine.daemon_lock_holder(config.pipe_dir, config.control_binary):  # fmt: skip
@@ -235,7 +243,11 @@ def attach(config: cfg.Config, on_exit: Callable[[AdoptedDaemon, int | None], No
     proof = genuine.prove(config.pipe_dir, config.control_binary)
     if proof.pid is None:
         raise Refused(proof) if proof.problem else ControlError(f"the daemon started on {config.pipe_dir} is gone")
-    return AdoptedDaemon(proof.pid, proof.pidfd, on_exit, fresh=True)  # type: ignore[arg-type]
+    return AdoptedDaemon(proof.pid, proof.pidfd, on_exit, fresh=True, logs=_held_logs(config))  # type: ignore[arg-type]
+
+
+def _held_logs(config: cfg.Config) -> logfiles.HeldLogs:
+    return logfiles.HeldLogs(config.log_dir, config.log_max_size, config.log_keep)
 
 
 def kill_verified(pid: int, config: cfg.Config) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..daemon import dirs, drift, logfiles, multiuser, peer
+from ..daemon import dirs, drift, multiuser, peer
 from . import independent
 from ..daemon.computemode import ComputeMode
 from ..config import Config
@@ -32,7 +32,6 @@ from ..errors import ConfigError, ControlBusy, ControlError, ControlImpostor, Co
 from ..daemon.faults import FaultHandler
 from .health import HealthBoard
 from .keeper import Keeper
-from ..logs import OncePerKey
 from ..config.reload import DEFAULT_KEYS, _early_reloads, merge_live
 from .snapshot import Status
 from ..units import format_limits
@@ -93,7 +92,6 @@ class Supervisor:
         )
         self._uid_policy: multiuser.UidPolicy | None = None  # resolved once, at the first start
         self._waiting = multiuser.WaitingWatch(c.pipe_dir)
-        self._log_warned = OncePerKey(16)  # rotation failures, said once each
         self.loop_alive = threading.Event()
 
     # ---- thread-safe entry points
@@ -315,11 +313,10 @@ class Supervisor:
             states = self._faults.server_states(control, servers)
             self._refuse_impostor(daemon, ("control_privileged",))  # what mpsd read came from its daemon
         except ControlTimeout as exc:
-            if holders := peer.session_holders(daemon.pid, self.config.pipe_dir):  # it waits on them: not hung
-                return self._inconclusive(daemon, exc, holders)
             return self._no_answer(daemon, exc)
         except ControlBusy as exc:  # it refused us, so it runs: no reason to kill it and its clients
-            return self._inconclusive(daemon, exc, peer.session_holders(daemon.pid, self.config.pipe_dir))
+            found = peer.sessions(daemon.pid, self.config.pipe_dir)
+            return self._inconclusive(daemon, exc, found.holders, found.unreadable)
         except ControlError as exc:
             self._retire(daemon, f"daemon pid={daemon.pid} failed its health check: {exc}")
             return
@@ -356,22 +353,16 @@ class Supervisor:
             server_states=states,
             last_error=error,
         )
-        if isinstance(daemon, independent.AdoptedDaemon):  # a detached daemon writes its logs itself
-            self._rotate_logs(daemon.pid)
         self._next_at = time.monotonic() + self.config.health_interval
-
-    def _rotate_logs(self, pid: int) -> None:
-        c = self.config
-        try:
-            for path in logfiles.rotate_held(pid, c.log_dir, c.log_max_size, c.log_keep):
-                log.info("daemon log rotated path=%s (copied to .1 and truncated: the daemon writes it)", path)
-        except OSError as exc:
-            if self._log_warned.first(str(exc)):
-                log.warning("cannot rotate the daemon's log in %s: %s", c.log_dir, exc)
 
     def _no_answer(self, daemon: DaemonProcess | independent.AdoptedDaemon, exc: ControlTimeout) -> None:
         """A health check the daemon did not answer in time: checked again at once, killed as hung
-        after HUNG_AFTER silent checks in a row (v2 and v3 alike)."""
+        after HUNG_AFTER silent checks in a row (v2 and v3 alike). Not hung, inconclusive, while a
+        session is held on its control sockets (it waits on it) or mpsd cannot read its sessions:
+        a tenant can hold one, so it is no proof of anything (docs/security.md, verdicts)."""
+        found = peer.sessions(daemon.pid, self.config.pipe_dir)
+        if found.holders or found.unreadable:
+            return self._inconclusive(daemon, exc, found.holders, found.unreadable)
         silent = self._silent_checks[1] + 1 if self._silent_checks[0] == daemon.pid else 1
         self._silent_checks = (daemon.pid, silent)
         if silent >= HUNG_AFTER:
@@ -391,11 +382,12 @@ class Supervisor:
             raise ControlImpostor(f"control socket impostor: {found}; the daemon is restarted to take its sockets back")
 
     def _inconclusive(self, daemon: DaemonProcess | independent.AdoptedDaemon, exc: ControlError,
-                      holders: list[int]) -> None:
-        """No verdict: another front-end holds the daemon. It is not killed (that would hand the
-        holder a lever on every client); past verdictTimeout /readyz says so (docs/operations.md)."""
+                      holders: list[int], unreadable: str = "") -> None:
+        """No verdict: another front-end holds the daemon, or its sessions cannot be read. It is not
+        killed (that would hand the holder a lever on every client); past verdictTimeout /readyz
+        says so (docs/operations.md)."""
         self._silent_checks, age = (daemon.pid, 0), time.monotonic() - self._verdict_at
-        who = peer.describe_all(holders)
+        who = peer.describe_all(holders, unreadable=unreadable)
         log.warning("health check of daemon pid=%d inconclusive: %s; held by %s", daemon.pid, exc, who)
         self._publish(last_error=f"{exc}; held by {who}", verdict_age=age)  # the metric before /readyz
         if age >= self.config.verdict_timeout:

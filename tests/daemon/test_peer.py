@@ -14,6 +14,8 @@ from mpsd.daemon import drift, peer
 
 POD = "0c3e5f4a-1b2c-4d5e-8f90-a1b2c3d4e5f6"
 CID = "3f" * 32
+OTHER = "ab" * 32  # another container's ID
+OTHER_POD = "9d8e7f6a-5b4c-4d3e-8f2a-1b0c9d8e7f6a"
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,22 @@ def test_maps_cuda_driver(maps, expected):
         (f"0::/libpod_parent/libpod-{CID}\n", f"container {CID[:12]}"),
         (f"0::/machine.slice/libpod-{CID}.scope\n", f"container {CID[:12]}"),
         ("0::/user.slice/user-1000.slice/session-2.scope\n", ""),
+        # read at fixed depths: a child cgroup a container makes (cgroup v2 delegation) is not read
+        (f"0::/libpod_parent/libpod-{CID}/{OTHER}\n", f"container {CID[:12]}"),
+        (f"0::/kubepods/besteffort/pod{POD}/{CID}/{OTHER}/pod{OTHER_POD}/{OTHER}\n", f"pod {POD} container {CID[:12]}"),
+        (f"0::/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope/x/{OTHER}\n",
+         f"pod {POD} container {CID[:12]}"),
+        # a path under another root (a user's delegated tree, a rootless runtime) names no one
+        (f"0::/user.slice/user-1000.slice/user@1000.service/kubepods/pod{POD}/{CID}\n", ""),
+        (f"0::/mpsd-test/kubepods/besteffort/pod{POD}/{CID}\n", ""),
+        (f"0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{CID}.scope\n", ""),
+        (f"0::/{CID}\n", ""),
+        # above a cgroup namespace (mpsd in a pod of its own), a kind node's kubelet root
+        (f"0::/../../kubepods-burstable.slice/kubepods-burstable-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n",
+         f"pod {POD} container {CID[:12]}"),
+        (f"0::/../../user.slice/user-1000.slice/user@1000.service/kubepods/pod{POD}/{CID}\n", ""),
+        (f"0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
+         f"kubelet-kubepods-besteffort-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n", f"pod {POD} container {CID[:12]}"),
         ("0::/\n", ""),
         ("", ""),
     ],

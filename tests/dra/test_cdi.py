@@ -40,6 +40,9 @@ def test_the_spec_gives_limits_shim_region_and_a_read_only_pipe_dir():
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     mounts = {m["containerPath"]: m for m in device["containerEdits"]["mounts"]}
     assert mounts["/run/mps/pipe"]["hostPath"] == "/run/mps/pipe" and "ro" in mounts["/run/mps/pipe"]["options"]
+    assert mounts["/run/mps/pipe/log"]["hostPath"] == "/dev/null"  # the daemon's log FIFO out of the pod's reach
+    paths = [m["containerPath"] for m in device["containerEdits"]["mounts"]]
+    assert paths.index("/run/mps/pipe") < paths.index("/run/mps/pipe/log")  # mounted over the pipe dir's
     assert mounts["/run/mpsd"]["hostPath"].endswith("claim-uid-1-0123456789ab")
     assert "rw" in mounts["/run/mpsd"]["options"]
     assert mounts["/run/mpsd-shim"]["hostPath"] == "/var/lib/mpsd/lib" and "ro" in mounts["/run/mpsd-shim"]["options"]

@@ -69,9 +69,14 @@ def test_a_writer_looping_for_a_minute_never_gets_the_daemon_restarted(make_conf
             contested = max(contested, metric(metrics.scrape().decode(), "mpsd_defaults_contested_seconds"))
             time.sleep(0.5)
         assert r.sup.status().defaults_restored >= 3  # seen and put back round after round
-        reason = next((reason for reason in reasons if "defaults changed again" in reason), "")
-        assert "activeThreadPercentage 1 (config 60)" in reason, reasons[-1]  # /readyz 503 after verdictTimeout
-        assert "nvidia-cuda-mps" in reason and "set_default_active_thread_percentage 1" in reason  # the writer
+        raced = [reason for reason in reasons if "defaults changed again" in reason]
+        assert raced and all("activeThreadPercentage 1 (config 60)" in r for r in raced), reasons[-1]  # /readyz 503
+        # The writer is named once a look at the daemon's session finds its front-end connected
+        # (each one lives a few milliseconds): maybe not at the first reasons on a loaded
+        # machine, where a reason says "the writer could not be named", but within the minute.
+        assert all("last written by" in r or "could not be named" in r for r in raced), raced
+        named = [r for r in raced if "nvidia-cuda-mps" in r and "set_default_active_thread_percentage 1" in r]
+        assert named, raced[-1]
         assert contested >= 3
         assert metric(metrics.scrape().decode(), "mpsd_daemon_restarts_total") == 0
     finally:

@@ -50,6 +50,7 @@ def test_container_mounts():
     mounts = [(m.host, m.container, m.read_only) for m in container_mounts(plan, PATHS, own)]
     assert mounts == [
         ("/run/mps", "/run/mps", True),
+        ("/dev/null", "/run/mps/log", True),  # the daemon's log FIFO, which a read-only mount leaves writable
         (own, "/run/mpsd", False),
         ("/var/lib/mpsd/lib", "/run/mpsd-shim", True),
     ]
