@@ -1,5 +1,5 @@
 """Command line: ``mpsd run | status | check-config | exec | holder | stop-daemon |
-dra-remove-slices``. Only wiring: flags onto config.
+dra-remove-slices | mig-pause | mig-resume``. Only wiring: flags onto config.
 
 Every config key has a flag (``--pipe-dir``) and an environment variable (``MPSD_PIPE_DIR``);
 precedence flag > env > file > default. A malformed file, flag or env value exits 2 with one
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="delete this node's ResourceSlices of the DRA driver (DRA turned off, mpsd uninstalled)")
     _add_config_flags(rm)
     rm.add_argument("--node", default=None, help="the node (default: NODE_NAME, else the host name)")
+    for name, what in (("mig-pause", "quit the MIG instance daemons before a MIG layout change (docs/mig.md)"),
+                       ("mig-resume", "serve the MIG instances again after mig-pause")):
+        _add_config_flags(sub.add_parser(name, help=what))
     return parser
 
 
@@ -162,6 +165,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from .lifecycle.holder import holder_main
 
             return holder_main(config)
+        if args.command in ("mig-pause", "mig-resume"):
+            from .mig import pause
+
+            print(printable(pause.pause(config) if args.command == "mig-pause" else pause.resume(config)))
+            return 0
         if args.command == "stop-daemon":
             from .lifecycle.independent import stop_daemon
 

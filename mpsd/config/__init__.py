@@ -68,6 +68,7 @@ class MigConfig:
     slices_per_instance: str | int = "auto"
     sm_partition_profiles: tuple[str, ...] = ()
     caps_file: str = "/proc/driver/nvidia-caps/mig-minors"
+    caps_dir: str = "/dev/nvidia-caps"
 
 
 @dataclass(frozen=True)

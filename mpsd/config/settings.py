@@ -203,7 +203,7 @@ def _slices_per_instance(value: Any) -> str | int:
         raise ValueError("auto or an integer 1..100") from None
 
 
-_PROFILE = re.compile(r"(?:[1-8]c\.)?[1-8]g\.[0-9]+gb(?:\+[a-z0-9]+)?")
+_PROFILE = re.compile(r"(?:[1-8]c\.)?[1-8]g\.[0-9]+gb(?:[+-][a-z0-9]+(?:\.[a-z0-9]+)?)?")  # go-nvlib's spelling
 
 
 def _profiles(value: Any) -> tuple[str, ...]:
@@ -391,6 +391,8 @@ SETTINGS: tuple[Setting, ...] = (
             "MIG profiles whose slices get static SM partitions instead of a thread cap (CUDA 13.1+ daemons)"),
     Setting("mig.capsFile", "mig-caps-file", _path, "/proc/driver/nvidia-caps/mig-minors",
             "the driver's MIG capability minors (/dev/nvidia-caps nodes of each instance)"),
+    Setting("mig.capsDir", "mig-caps-dir", _path, "/dev/nvidia-caps",
+            "where mpsd sees the host's /dev/nvidia-caps nodes (an instance without its nodes is not offered)"),
     # DRA: regionDir, shimHostDir, ipcMode, shmDir and slicesPerGpu (slices mode) are the device plugin's
     Setting("dra.enabled", "dra", _bool, False,
             "serve the DRA kubelet plugin (ResourceClaims prepared with CDI specs)"),

@@ -381,7 +381,14 @@ class Preparer:
             self.backend.release(req.key)
 
     def _ensure(self, rec: PreparedClaim) -> None:
-        """A prepared claim's directory and spec exist and the spec is what the record says."""
+        """A prepared claim's directory and spec exist and the spec is what the record says; DraError
+        when a MIG instance it was prepared onto is gone: GPU and compute instance IDs, and so device
+        names, are taken again by new instances, whose UUID is new (NVML), so the UUID decides."""
+        served = {g.uuid for g in self.gpus if isinstance(g, MigDevice)}
+        gone = sorted({s.uuid for s in rec.plan.gpus if s.uuid.startswith("MIG-") and s.uuid not in served})
+        if gone:
+            raise DraError(f"claim {rec.ref}: MIG instance {', '.join(gone)} it was prepared onto is gone (the MIG "
+                           "layout changed; a device of the same name now is another instance): delete the pod")
         if not restore_region_dir(rec, self.paths.region_dir):  # as the device plugin's start does
             raise DraError(f"claim {rec.ref}: region directory {rec.region_dir} cannot be restored")
         if self.cdi.read(rec.spec_name) != self._spec(rec):

@@ -13,9 +13,14 @@ A MIG device (NVML's name for a compute instance inside a GPU instance) has
   until destroyed), its memory and SM count (nvmlDeviceGetMemoryInfo and
   nvmlDeviceGetAttributes on its handle);
 - a profile: ``<g>g.<gb>gb`` when its compute instance spans its GPU instance, else
-  ``<c>c.<g>g.<gb>gb`` (NVIDIA's MIG user guide, "MIG Device Names"), as NVML's MIG device
-  name ends (``NVIDIA H100 80GB HBM3 MIG 1g.10gb``) and as the GPU operator's mixed strategy
-  names resources (``nvidia.com/mig-1g.10gb``);
+  ``<c>c.<g>g.<gb>gb`` (NVIDIA's MIG user guide, "MIG Device Names"), with the attribute its GPU
+  instance profile ID carries (``+me``, ``+me.all``, ``+gfx``, ``-me``), derived as go-nvlib
+  derives it (``pkg/nvlib/device/mig_profile.go``): from the GPU instance profile ID, the compute
+  slices and the memory, never from the tail of NVML's device name;
+- a memory shared by every compute instance of its GPU instance (CUPTI on MIG; the MIG user
+  guide's three ``1c.3g.20gb`` are all 20gb): mpsd sells each compute instance
+  ``ci_slices/gi_slices`` of it, so the slices of one GPU instance never sum to more than it has
+  (:func:`ci_share`, docs/mig.md);
 - two access capabilities, ``gpu<minor>/gi<gi>/access`` and ``gpu<minor>/gi<gi>/ci<ci>/access``
   in /proc/driver/nvidia-caps/mig-minors, each the minor of ``/dev/nvidia-caps/nvidia-cap<N>``
   (MIG user guide, "Device Nodes and Capabilities").
@@ -33,7 +38,15 @@ CAPS_FILE = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DEV_DIR = "/dev/nvidia-caps"
 MAX_CAPS_BYTES = 1 << 20
 MIB, GIB = 1 << 20, 1 << 30
-_PROFILE = re.compile(r"(?:[1-8]c\.)?[1-8]g\.[0-9]+gb(?:\+[a-z0-9]+(?:,[a-z0-9]+)*)?")
+# NVML_GPU_INSTANCE_PROFILE_* (nvml.h) -> (compute slices, the attribute go-nvlib prints)
+GI_PROFILES: dict[int, tuple[int, str]] = {
+    0x0: (1, ""), 0x1: (2, ""), 0x2: (3, ""), 0x3: (4, ""), 0x4: (7, ""), 0x5: (8, ""), 0x6: (6, ""),
+    0x7: (1, "+me"), 0x8: (2, "+me"), 0x9: (1, ""),  # REV1: media extensions; REV2: twice the memory
+    0xA: (1, "+gfx"), 0xB: (2, "+gfx"), 0xC: (4, "+gfx"),
+    0xD: (1, "-me"), 0xE: (2, "-me"),  # NO_ME: none of the decoders, encoders, JPEG, OFA
+    0xF: (1, "+me.all"), 0x10: (2, "+me.all"),  # ALL_ME: all of them
+}
+GI_PROFILE_COUNT = 0x12  # NVML_GPU_INSTANCE_PROFILE_COUNT
 _CAPS_LINE = re.compile(r"gpu([0-9]+)/gi([0-9]+)(?:/ci([0-9]+))?/access\s+([0-9]+)")
 
 
@@ -54,6 +67,12 @@ class MigDevice:
     ci_slices: int
     compute_capability: tuple[int, int]
     parent_minor: int | None = None  # /dev/nvidia<minor>; None where NVML does not say
+    gi_profile_id: int | None = None  # NVML_GPU_INSTANCE_PROFILE_*; None: not known (then not offered)
+    placement_start: int | None = None  # the GPU instance's first memory slice; None without privileges
+    parent_name: str = ""  # the parent GPU's product name
+    gi_memory: int = 0  # bytes of its GPU instance, shared by its compute instances (memory_total: its share)
+    engines: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # copy engines, decoders, encoders, JPEG, OFA
+    problem: str = ""  # why it is not offered (no caps node, unknown profile); "" when it is
     caps_minors: tuple[int, int] | None = None  # nvidia-cap minors (GI access, CI access); None: unknown
     slices: int = 0  # how many slices the faces offer (mpsd.mig.fleet sets it from the config); 0: none
     sm_partitions: bool = False  # its daemon runs with -S: slices get static SM partitions (mpsd/daemon/smpartition.py)
@@ -89,14 +108,31 @@ def memory_gb(instance_mib: int, gpu_total: int) -> int:
     return int(round(eighths * math.ceil(gpu_total / GIB)))
 
 
-def profile_name(nvml_name: str, gi_slices: int, ci_slices: int, instance_mib: int, gpu_total: int) -> str:
-    """The profile: the tail of NVML's MIG device name when it is one (the driver's own spelling,
-    media extensions included), else made from the slice counts and memory."""
-    tail = nvml_name.rsplit(" ", 1)[-1] if " MIG " in nvml_name else ""
-    if _PROFILE.fullmatch(tail):
-        return tail
+def profile_name(gi_profile_id: int | None, ci_slices: int, instance_mib: int, gpu_total: int) -> str | None:
+    """The profile as go-nvlib names it: ``<g>g.<gb>gb`` or ``<c>c.<g>g.<gb>gb``, then the attribute
+    of the GPU instance profile (``1g.10gb+me``, ``1g.10gb-me``); None for a profile ID mpsd does not
+    know (such an instance is not offered: guessing would merge two profiles into one resource)."""
+    if gi_profile_id not in GI_PROFILES:
+        return None
+    gi_slices, attribute = GI_PROFILES[gi_profile_id]
     gb = memory_gb(instance_mib, gpu_total)
-    return f"{gi_slices}g.{gb}gb" if ci_slices == gi_slices else f"{ci_slices}c.{gi_slices}g.{gb}gb"
+    base = f"{gi_slices}g.{gb}gb" if ci_slices == gi_slices else f"{ci_slices}c.{gi_slices}g.{gb}gb"
+    return base + attribute
+
+
+def ci_share(gi_memory: int, ci_slices: int, gi_slices: int) -> int:
+    """The bytes mpsd sells of a compute instance: its compute slices' part of its GPU instance's
+    memory, whole MiB. Compute instances of one GPU instance share that memory, and their compute
+    slices sum to at most the GPU instance's, so their shares never sum to more than it has."""
+    if gi_slices <= 0 or ci_slices >= gi_slices:
+        return gi_memory
+    return gi_memory * ci_slices // gi_slices // MIB * MIB
+
+
+def profile_slug(profile: str) -> str:
+    """A profile in a DNS label, as NVIDIA's DRA driver writes it in device names: ``1g.10gb+me`` ->
+    ``1g10gbme``, ``1g.10gb-me`` -> ``1g10gb-me``."""
+    return re.sub(r"[^a-z0-9-]", "", profile.lower())
 
 
 def parse_caps(text: str) -> dict[tuple[int, int, int | None], int]:

@@ -19,7 +19,8 @@ from typing import TypeVar
 import pynvml
 
 from ..errors import InventoryError
-from .mig import CAPS_FILE, MigDevice, caps_minors, profile_name, read_caps
+from .mig import (CAPS_FILE, GI_PROFILE_COUNT, GI_PROFILES, MIB, MigDevice, caps_minors, ci_share, profile_name,
+                  read_caps)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class Inventory:
         self._open = True
         self._mps_query_missing: str | None = None  # why the MPS process query is unavailable
         self._memory_v2 = hasattr(pynvml, "nvmlMemory_v2")  # older pynvml: the v1 call only
+        self._refused: set[str] = set()  # privileged queries refused, said once each
 
     def close(self) -> None:
         if self._open:
@@ -130,7 +132,14 @@ class Inventory:
         return [self._gpu(i, handle) for i, handle in enumerate(self._handles())]
 
     def _gpu(self, index: int, handle: object) -> Gpu:
-        total, used = self._memory(index, handle)
+        mig = self._mig_enabled(index, handle)
+        try:
+            total, used = self._memory(index, handle)
+        except InventoryError as exc:
+            if not (mig and isinstance(exc.__cause__, pynvml.NVMLError_NoPermission)):
+                raise
+            self._refused_once("memory", index, exc)
+            total, used = 0, 0  # per instance through its MIG handles (mig_devices)
         major, minor = _call(
             f"nvmlDeviceGetCudaComputeCapability(gpu {index})", pynvml.nvmlDeviceGetCudaComputeCapability, handle
         )
@@ -141,9 +150,18 @@ class Inventory:
             memory_total=total,
             memory_used=used,
             compute_capability=(major, minor),
-            mig_enabled=self._mig_enabled(index, handle),
+            mig_enabled=mig,
             minor_number=self._minor_number(index, handle),
         )
+
+    def _refused_once(self, what: str, index: int, exc: Exception) -> None:
+        """nvml.h: on a GPU in MIG mode aggregate data goes "only" to a caller "with appropriate
+        privileges"; a container without them is refused. Said once per query and GPU."""
+        if f"{what}:{index}" not in self._refused:
+            self._refused.add(f"{what}:{index}")
+            log.warning("NVML refused the %s query of GPU %s in MIG mode (%s): it is read per MIG instance; "
+                        "NVIDIA_MIG_MONITOR_DEVICES=all with CAP_SYS_ADMIN gives the whole view (docs/mig.md)",
+                        what, index, exc)
 
     @staticmethod
     def _minor_number(index: int, handle: object) -> int | None:
@@ -200,31 +218,75 @@ class Inventory:
             minor: int | None = int(pynvml.nvmlDeviceGetMinorNumber(handle))
         except pynvml.NVMLError:
             minor = None  # device nodes are then the container runtime's to find
+        profiles = self._gi_profiles(gpu, handle)
         out = []
         for slot in range(count):
             try:
                 mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-                out.append(self._mig_device(gpu, slot, mig, minor, caps))
+                out.append(self._mig_device(gpu, slot, mig, minor, caps, handle, profiles))
             except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
-                continue  # no instance in this slot, or it was destroyed while read
+                continue  # no instance at this index, or it was destroyed while read
             except pynvml.NVMLError as e:
                 raise InventoryError(f"NVML MIG device {slot} of {where} failed: {e}") from e
         return out
 
-    def _mig_device(self, gpu: Gpu, slot: int, mig: object, minor: int | None, caps: dict) -> MigDevice:
+    @staticmethod
+    def _gi_profiles(gpu: Gpu, handle: object) -> dict[int, object]:
+        """The GPU instance profiles the GPU supports (nvmlDeviceGetGpuInstanceProfileInfo answers
+        every caller), by NVML_GPU_INSTANCE_PROFILE_* ID."""
+        found = {}
+        for pid in range(GI_PROFILE_COUNT):
+            try:
+                found[pid] = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, pid, 1)
+            except (*_UNAVAILABLE, pynvml.NVMLError_InvalidArgument):
+                continue
+            except pynvml.NVMLError as e:
+                raise InventoryError(f"NVML nvmlDeviceGetGpuInstanceProfileInfo(gpu {gpu.index}, {pid}) "
+                                     f"failed: {e}") from e
+        return found
+
+    def _gpu_instance(self, gpu: Gpu, handle: object, gi: int, attrs, profiles: dict) -> tuple[int | None, int | None]:
+        """(GPU instance profile ID, placement start) of GPU instance ``gi``: from the instance itself
+        where NVML lets this caller read it ("Requires privileged user"), else the one profile the
+        GPU supports whose slices, memory and engines are the instance's (no placement then)."""
+        try:
+            info = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(handle, gi))
+            return int(info.profileId), int(info.placement.start)
+        except (*_UNAVAILABLE, pynvml.NVMLError_NoPermission) as exc:
+            self._refused_once("GPU instance", gpu.index, exc)
+        mine = (int(attrs.gpuInstanceSliceCount), int(attrs.memorySizeMB), int(attrs.sharedCopyEngineCount),
+                int(attrs.sharedDecoderCount), int(attrs.sharedEncoderCount), int(attrs.sharedJpegCount),
+                int(attrs.sharedOfaCount))
+        matches = sorted(pid for pid, p in profiles.items()
+                         if (p.sliceCount, p.memorySizeMB, p.copyEngineCount, p.decoderCount, p.encoderCount,
+                             p.jpegCount, p.ofaCount) == mine)
+        names = {GI_PROFILES.get(pid, (0, f"?{pid}"))[1] for pid in matches}
+        return (matches[0] if len(names) == 1 else None), None
+
+    def _mig_device(self, gpu: Gpu, slot: int, mig: object, minor: int | None, caps: dict, parent: object,
+                    profiles: dict) -> MigDevice:
         attrs = pynvml.nvmlDeviceGetAttributes(mig)
         gi, ci = int(pynvml.nvmlDeviceGetGpuInstanceId(mig)), int(pynvml.nvmlDeviceGetComputeInstanceId(mig))
-        memory = pynvml.nvmlDeviceGetMemoryInfo(mig)
-        name = pynvml.nvmlDeviceGetName(mig)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(mig)  # its GPU instance's, shared by its compute instances
+        gip, start = self._gpu_instance(gpu, parent, gi, attrs, profiles)
+        gi_slices, ci_slices = int(attrs.gpuInstanceSliceCount), int(attrs.computeInstanceSliceCount)
+        # go-nvlib rounds against the parent's memory; without privileges, the largest profile's
+        gpu_total = gpu.memory_total or max((int(p.memorySizeMB) for p in profiles.values()), default=0) * MIB
+        profile = profile_name(gip, ci_slices, int(attrs.memorySizeMB), gpu_total)
+        uuid = pynvml.nvmlDeviceGetUUID(mig)
         return MigDevice(
-            uuid=pynvml.nvmlDeviceGetUUID(mig), parent_index=gpu.index, parent_uuid=gpu.uuid, mig_index=slot,
+            uuid=uuid, parent_index=gpu.index, parent_uuid=gpu.uuid, mig_index=slot,
             gpu_instance=gi, compute_instance=ci,
-            profile=profile_name(name, int(attrs.gpuInstanceSliceCount), int(attrs.computeInstanceSliceCount),
-                                 int(attrs.memorySizeMB), gpu.memory_total),
-            name=name, memory_total=int(memory.total), memory_used=int(memory.used),
-            sm_count=int(attrs.multiprocessorCount), gi_slices=int(attrs.gpuInstanceSliceCount),
-            ci_slices=int(attrs.computeInstanceSliceCount), compute_capability=gpu.compute_capability,
-            parent_minor=minor, caps_minors=caps_minors(caps, minor, gi, ci),
+            profile=profile or "",
+            name=pynvml.nvmlDeviceGetName(mig), memory_total=ci_share(int(memory.total), ci_slices, gi_slices),
+            memory_used=int(memory.used), sm_count=int(attrs.multiprocessorCount), gi_slices=gi_slices,
+            ci_slices=ci_slices, compute_capability=gpu.compute_capability,
+            parent_minor=minor, caps_minors=caps_minors(caps, minor, gi, ci), gi_profile_id=gip,
+            placement_start=start, parent_name=gpu.name, gi_memory=int(memory.total),
+            engines=(int(attrs.sharedCopyEngineCount), int(attrs.sharedDecoderCount), int(attrs.sharedEncoderCount),
+                     int(attrs.sharedJpegCount), int(attrs.sharedOfaCount)),
+            problem="" if profile else (f"its GPU instance profile is not one mpsd knows (ID {gip}; slices, memory "
+                                        "and engines match no single profile the GPU lists)"),
         )
 
     def mps_clients(self) -> list[Client]:
@@ -233,7 +295,14 @@ class Inventory:
         clients); the switch is logged once."""
         clients: list[Client] = []
         for index, handle in enumerate(self._handles()):
-            clients += [Client(index, int(p.pid), p.usedGpuMemory) for p in self._processes(index, handle)]
+            try:
+                found = self._processes(index, handle)
+            except InventoryError as exc:
+                if not (isinstance(exc.__cause__, pynvml.NVMLError_NoPermission) and self._mig_enabled(index, handle)):
+                    raise
+                self._refused_once("process", index, exc)  # a GPU in MIG mode, unprivileged
+                continue
+            clients += [Client(index, int(p.pid), p.usedGpuMemory) for p in found]
         return clients
 
     def _processes(self, index: int, handle: object) -> list:

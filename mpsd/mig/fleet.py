@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import threading
 from pathlib import Path
 from typing import Callable, Iterable
@@ -39,6 +38,7 @@ from ..inventory.mig import CannotDivide, MigDevice, slices_for
 from ..daemon.smpartition import Partitions, binary_support
 from ..lifecycle.snapshot import Status
 from ..lifecycle.supervisor import Supervisor
+from .pause import MIG_UUID, listening, paused
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +64,20 @@ def instance_config(config: cfg.Config, device: MigDevice) -> cfg.Config:
     )
 
 
-_MIG_UUID = re.compile(r"MIG-[0-9A-Za-z-]{1,80}")
-
-
 def served_pipe_dir(config: cfg.Config, uuid: str) -> str:
     """The pipe dir of the daemon mpsd runs for MIG instance ``uuid`` (``mpsd exec --mig-instance``);
     ConfigError (one line) when it is no MIG UUID or no daemon listens there."""
     from ..errors import ConfigError
 
-    if not _MIG_UUID.fullmatch(uuid):
+    if not MIG_UUID.fullmatch(uuid):
         raise ConfigError(f"--mig-instance {uuid[:90]!r}: expected a MIG device UUID, MIG-... "
                           "(nvidia-smi -L lists them)")
     pipe_dir = os.path.join(config.mig.pipe_root, uuid)
-    if dirs.client_socket_problem(Path(pipe_dir)):
-        served = sorted(n for n in _listdir(config.mig.pipe_root) if _MIG_UUID.fullmatch(n))
+    if dirs.client_socket_problem(Path(pipe_dir)) or not listening(pipe_dir):  # a quit daemon leaves its socket
+        served = sorted(n for n in _listdir(config.mig.pipe_root)
+                        if MIG_UUID.fullmatch(n) and listening(os.path.join(config.mig.pipe_root, n)))
         raise ConfigError(f"--mig-instance {uuid}: no MPS daemon of mpsd serves that instance ({pipe_dir}/control "
-                          f"is not a socket); served: {', '.join(served) or 'none'} "
+                          f"accepts no connection); served: {', '.join(served) or 'none'} "
                           f"(mig.pipeRoot {config.mig.pipe_root})")
     return pipe_dir
 
@@ -91,14 +89,34 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
+NO_DEVICE = "-1"  # CUDA_VISIBLE_DEVICES naming no device: CUDA stops at the first invalid entry
+
+
 def whole_gpus_only(config: cfg.Config, gpus: Iterable) -> cfg.Config:
     """On a node with GPUs in MIG mode, the node daemon's CUDA_VISIBLE_DEVICES names its whole GPUs
-    (unless ``visibleDevices`` says otherwise): MIG instances have daemons of their own."""
+    (unless ``visibleDevices`` says otherwise): MIG instances have daemons of their own. Where every
+    GPU is in MIG mode it names none: unset, a client of the node's pipe dir would land on whichever
+    MIG device CUDA lists first."""
     gpus = list(gpus)
     if not config.mig.enabled or config.visible_devices or not any(g.mig_enabled for g in gpus):
         return config
     whole = [g.uuid for g in sorted(gpus, key=lambda g: g.index) if not g.mig_enabled]
-    return cfg.replace(config, visible_devices=",".join(whole)) if whole else config
+    return cfg.replace(config, visible_devices=",".join(whole) or NO_DEVICE)
+
+
+def caps_problem(device: MigDevice, caps_dir: str) -> str:
+    """Why a container of ``device`` could not open it: a /dev/nvidia-caps node its capabilities
+    need is missing where mpsd sees the host's (an instance created after mpsd's container was,
+    without the host's /dev/nvidia-caps mounted); "" when they are there or not known."""
+    missing = [f"nvidia-cap{m}" for m in device.caps_minors or ()
+               if not os.path.exists(os.path.join(caps_dir, f"nvidia-cap{m}"))]
+    if not missing:
+        return ""
+    return (f"its capability node {', '.join(missing)} is missing in {caps_dir} (instances created after mpsd "
+            "started need the host's /dev/nvidia-caps mounted: deploy/components/mig)")
+
+
+
 
 
 class InstanceDaemon:
@@ -162,14 +180,17 @@ class MigFleet:
         self._runs: dict[str, InstanceDaemon] = {}
         self._retiring: list[InstanceDaemon] = []
         self._problems: dict[str, str] = {}  # uuid -> why its daemon could not be made (logged once)
+        self._unserved: list[MigDevice] = []  # instances not offered (problem set): listed unhealthy
 
     # -- what the faces ask ------------------------------------------------------------------
 
-    def devices(self) -> list[MigDevice]:
-        """The instances served now (a daemon each), in (GPU, GPU instance, compute instance) order."""
+    def devices(self, unserved: bool = False) -> list[MigDevice]:
+        """The instances served now (a daemon each), in (GPU, GPU instance, compute instance) order;
+        ``unserved``: also those not offered (``problem`` says why; the device plugin lists them
+        unhealthy, the DRA driver leaves them out)."""
         with self._lock:
-            runs = list(self._runs.values())
-        return sorted((r.device for r in runs), key=lambda d: (d.parent_index, d.gpu_instance, d.compute_instance))
+            found = [r.device for r in self._runs.values()] + (list(self._unserved) if unserved else [])
+        return sorted(found, key=lambda d: (d.parent_index, d.gpu_instance, d.compute_instance))
 
     def get(self, uuid: str) -> InstanceDaemon | None:
         with self._lock:
@@ -219,7 +240,11 @@ class MigFleet:
         immutable for the lifetime of a MIG device)."""
         changed = False
         with self._lock:
-            current = {d.uuid: self._divided(d) for d in devices}
+            divided = [self._divided(d) for d in ([] if paused(self.config) else devices)]
+            current = {d.uuid: d for d in divided if not d.problem}
+            unserved = [d for d in divided if d.problem]
+            changed = [d.uuid for d in unserved] != [d.uuid for d in self._unserved]
+            self._unserved = unserved
             for uuid in [u for u, r in self._runs.items() if u not in current or not r.thread.is_alive()]:
                 run = self._runs.pop(uuid)
                 changed = True
@@ -243,14 +268,22 @@ class MigFleet:
                 changed = True
                 log.info("MIG instance served instance=%s pipe_dir=%s", device.describe(), run.config.pipe_dir)
             self._retiring = [r for r in self._retiring if r.thread.is_alive()]
-            for key in [k for k in self._problems if k.rpartition(":")[2] not in current]:
+            known = set(current) | {d.uuid for d in unserved}
+            for key in [k for k in self._problems if k.rpartition(":")[2] not in known]:
                 del self._problems[key]
         if changed:
             self.board.update(mig_layout=self.board.current().mig_layout + 1)
         self._health_changed()
 
     def _divided(self, device: MigDevice) -> MigDevice:
-        """``device`` with the slices the faces offer (0, said once, when the config cannot divide it)."""
+        """``device`` with the slices the faces offer (0, said once, when the config cannot divide it),
+        or with ``problem`` set (said once) when it cannot be offered at all."""
+        problem = device.problem or caps_problem(device, self.config.mig.caps_dir)
+        if problem:
+            if self._problems.get("offer:" + device.uuid) != problem:
+                log.error("MIG instance not offered instance=%s problem=%s", device.describe(), problem)
+            self._problems["offer:" + device.uuid] = problem
+            device = dataclasses.replace(device, problem=problem)
         try:
             n = slices_for(device, self.config.mig.slices_per_instance, self.config.device_plugin.slices_per_gpu)
         except CannotDivide as exc:

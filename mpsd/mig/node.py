@@ -54,4 +54,4 @@ class MigNode:
 
         fleet = self.fleet
         mig = MigBackend(host_paths(config), fleet.pipe_dir, device=fleet.device, partitions=fleet.partitions)
-        return Routed(backend, mig), (lambda: [*gpus(), *fleet.devices()])
+        return Routed(backend, mig), (lambda: [*gpus(), *fleet.devices()])  # the unserved are not published

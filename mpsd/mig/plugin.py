@@ -7,8 +7,10 @@ mpsd keeps that contract: each profile present on the node is a resource ``<doma
 (``mpsd.io/mig-1g.10gb`` with the default ``devicePlugin.resourceName`` ``mpsd.io/gpu``), whose
 devices are the slices ``<MIG-uuid>::<k>`` of that profile's instances, N per instance
 (``mig.slicesPerInstance``; mpsd.inventory.mig.slices_for). One resource with topology hints would let a pod
-land on any profile, which a MIG user chose the layout to prevent. ``+`` (media extensions) is not
-allowed in a resource name: ``1g.10gb+me`` is offered as ``mig-1g.10gb-me``.
+land on any profile, which a MIG user chose the layout to prevent. ``+`` is not allowed in a resource
+name: as NVIDIA's mixed strategy does (k8s-device-plugin ``internal/rm``), ``1g.10gb+me`` is offered as
+``mig-1g.10gb.me``, and ``1g.10gb-me`` (go-nvlib: *without* media extensions) as ``mig-1g.10gb-me``.
+An instance that cannot be offered (its /dev/nvidia-caps node missing) is listed Unhealthy.
 
 Each profile is an ordinary :class:`mpsd.plugin.DevicePlugin` (its own socket, registration, state
 file ``device-plugin-state-mig-<profile>.json`` and region directory ``<regionDir>/mig-<profile>``,
@@ -39,8 +41,8 @@ POLL = 0.5
 
 
 def resource_name(base: str, profile: str) -> str:
-    """``mpsd.io/gpu`` and ``1g.10gb`` -> ``mpsd.io/mig-1g.10gb``."""
-    return f"{base.split('/', 1)[0]}/mig-{profile.replace('+', '-').replace(',', '-')}"
+    """``mpsd.io/gpu`` and ``1g.10gb`` -> ``mpsd.io/mig-1g.10gb``; ``1g.10gb+me`` -> ``mig-1g.10gb.me``."""
+    return f"{base.split('/', 1)[0]}/mig-{profile.replace('+', '.').replace(',', '.')}"
 
 
 def profile_slices(profile: str, devices: Iterable[MigDevice]) -> int:
@@ -95,7 +97,7 @@ class MigPlugins:
 
     def sync(self) -> None:
         """A plugin for each profile served now that has none yet."""
-        for profile, devices in by_profile(self.fleet.devices()).items():
+        for profile, devices in by_profile(d for d in self.fleet.devices(unserved=True) if d.profile).items():
             if profile in self.plugins:
                 continue
             try:
@@ -126,7 +128,7 @@ class MigPlugins:
             usage_reader=functools.partial(shim_usage, library=self.shim_library),
             usage_interval=self.usage_interval, backend=MigBackend(paths, self.fleet.pipe_dir, device=self.fleet.device,
                                                                  partitions=self.fleet.partitions),
-            gpu_source=lambda: [d for d in self.fleet.devices() if d.profile == profile],
+            gpu_source=lambda: [d for d in self.fleet.devices(unserved=True) if d.profile == profile],
         )
 
     def run(self, stop: threading.Event, poll: float = POLL, started: threading.Event | None = None) -> None:

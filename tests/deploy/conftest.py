@@ -25,6 +25,7 @@ KUSTOMIZATIONS = {
     "deploy/base": "hostIPC",
     "deploy/overlays/tmpfs": "tmpfs",
     "deploy/overlays/monitoring": "hostIPC",
+    "deploy/overlays/mig": "hostIPC",
 }
 NODE_KUSTOMIZATIONS = list(KUSTOMIZATIONS)
 # deploy/overlays/dra is a node install too, but with the device plugin off, RBAC and a token:

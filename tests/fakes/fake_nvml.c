@@ -26,6 +26,16 @@
  *                                            mode is 1; see fake_nvml_mig.c. `mig` lines are read
  *                                            again while NVML is initialised (a layout change),
  *                                            everything else only at init.
+ *   privileged                               the caller has privileges: without it (a container
+ *                                            without CAP_SYS_ADMIN and NVIDIA_MIG_MONITOR_DEVICES)
+ *                                            nvmlDeviceGetMemoryInfo(_v2) and the running-process
+ *                                            queries of a GPU in MIG mode answer
+ *                                            NVML_ERROR_NO_PERMISSION (nvml.h: aggregate information
+ *                                            "only if the caller has appropriate privileges"), and so
+ *                                            do the "Requires privileged user" GPU instance calls
+ *   giprofile <gpu> <id> <slices> <mem_mib> <sms> <ce> <dec> <enc> <jpg> <ofa>
+ *                                            a GPU instance profile the GPU supports
+ *                                            (nvmlDeviceGetGpuInstanceProfileInfo); see fake_nvml_gi.c
  *   memlimits <state_file>                   memory partitioning by cgroup is available (R615+,
  *                                            cgroup v2): nvmlDevice{Set,Get}MemoryLimits_v1 keep
  *                                            their limits in <state_file>, shared by every process
@@ -97,6 +107,7 @@ static struct fake_fail g_fails[FAKE_MAX_FAILS];
 static unsigned int g_nfails;
 static char g_driver[80];
 static char g_memlimits[1024];
+static int g_privileged;
 
 int parse_u64(const char *s, unsigned long long *out)
 {
@@ -212,7 +223,15 @@ static const char *parse_directive(char **w, int n, const char *rest_after_8)
     }
     if (strcmp(w[0], "mig") == 0)
         return parse_mig_directive(w, n);
-    return "unknown directive (gpu, proc, compute, driver, fail, nomig, minor, mig, memlimits)";
+    if (strcmp(w[0], "giprofile") == 0)
+        return parse_giprofile_directive(w, n);
+    if (strcmp(w[0], "privileged") == 0) {
+        if (n != 1)
+            return "privileged takes no arguments";
+        g_privileged = 1;
+        return NULL;
+    }
+    return "unknown directive (gpu, proc, compute, driver, fail, nomig, minor, mig, giprofile, privileged, memlimits)";
 }
 
 /* Reads the file into the tables; called with g_lock held. */
@@ -224,13 +243,15 @@ static nvmlReturn_t load_config(void)
     FILE *f;
 
     g_ngpus = g_nprocs = g_nfails = 0;
+    g_privileged = 0;
     mig_clear();
+    giprofile_clear();
     g_memlimits[0] = '\0';
     copy_str(g_driver, sizeof(g_driver), "0.0.fake");
     if (path == NULL || (f = fopen(path, "r")) == NULL)
         return NVML_ERROR_DRIVER_NOT_LOADED;
     while (fgets(line, sizeof(line), f) != NULL) {
-        char copy[sizeof(line)], *w[16], *save = NULL, *tok, *hash;
+        char copy[sizeof(line)], *w[24], *save = NULL, *tok, *hash;
         const char *problem, *name_start = "";
         int n = 0;
         size_t len;
@@ -241,7 +262,7 @@ static nvmlReturn_t load_config(void)
         for (len = strlen(line); len > 0 && (line[len - 1] == ' ' || line[len - 1] == '\t');)
             line[--len] = '\0';
         copy_str(copy, sizeof(copy), line);
-        for (tok = strtok_r(copy, " \t", &save); tok != NULL && n < 16;
+        for (tok = strtok_r(copy, " \t", &save); tok != NULL && n < 24;
              tok = strtok_r(NULL, " \t", &save)) {
             w[n++] = tok;
             if (n == 8) {
@@ -307,6 +328,17 @@ int fake_nvml_device(nvmlDevice_t handle, unsigned int *index, unsigned int *mig
     return 0;
 }
 
+int fake_nvml_privileged(void)
+{
+    return g_privileged;
+}
+
+nvmlReturn_t aggregate_refused(const struct nvmlDevice_st *d)
+{
+    return (!d->is_mig && d->mig_supported && d->mig == 1 && !g_privileged) ? NVML_ERROR_NO_PERMISSION
+                                                                           : NVML_SUCCESS;
+}
+
 const char *fake_nvml_memlimits(void)
 {
     return g_memlimits[0] ? g_memlimits : NULL;
@@ -366,6 +398,7 @@ FAKE_EXPORT const char *nvmlErrorString(nvmlReturn_t result)
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
@@ -507,6 +540,8 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t handle, nvmlMemory
         return rc;
     if ((d = device(handle)) == NULL || memory == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if ((rc = aggregate_refused(d)) != NVML_SUCCESS)
+        return rc;
     memory->total = d->total;
     memory->used = d->used;
     memory->free = d->total - d->used;
@@ -524,6 +559,8 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t handle, nvmlMem
         return NVML_ERROR_INVALID_ARGUMENT;
     if (memory->version != FAKE_NVML_MEMORY_V2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if ((rc = aggregate_refused(d)) != NVML_SUCCESS)
+        return rc;
     memory->total = d->total;
     memory->reserved = 0;
     memory->used = d->used;
@@ -580,6 +617,8 @@ static nvmlReturn_t list_procs(const char *function, enum proc_kind kind, nvmlDe
         return rc;
     if ((d = device(handle)) == NULL || count == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if ((rc = aggregate_refused(d)) != NVML_SUCCESS)
+        return rc;
     for (i = 0; i < g_nprocs; i++)
         if (!d->is_mig && g_procs[i].kind == kind && g_procs[i].gpu == d->index)
             n++; /* proc/compute lines are GPU-wide: a MIG device handle lists none */

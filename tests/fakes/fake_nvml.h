@@ -46,6 +46,9 @@ struct nvmlDevice_st {
     int present;        /* a compute instance exists at this slot */
     struct nvmlDevice_st *parent;
     unsigned int gi, ci, gi_slices, ci_slices, sm_count;
+    /* the GPU instance's profile ID and placement start, the compute instance's profile ID, and the
+     * GPU instance's engines (shared by its compute instances) */
+    unsigned int gip, cip, start, ce, dec, enc, jpg, ofa;
 };
 typedef struct nvmlDevice_st *nvmlDevice_t;
 
@@ -70,11 +73,22 @@ int fake_nvml_device(nvmlDevice_t handle, unsigned int *index, unsigned int *mig
 /* the memlimits state file, NULL when memory partitioning is off */
 const char *fake_nvml_memlimits(void);
 
+/* the caller has the privileges NVML asks for aggregate data of a GPU in MIG mode and for GPU
+ * instance handles (`privileged` in the config; unprivileged without it, as in a container) */
+int fake_nvml_privileged(void);
+/* a GPU handle whose MIG mode is on, asked by an unprivileged caller: NVML_ERROR_NO_PERMISSION */
+nvmlReturn_t aggregate_refused(const struct nvmlDevice_st *d);
+
 /* fake_nvml_mig.c */
 const char *parse_mig_directive(char **w, int n);
 void mig_clear(void);
 struct nvmlDevice_st *mig_device(nvmlDevice_t handle);
 struct nvmlDevice_st *mig_by_uuid(const char *uuid);
+/* the MIG devices of GPU `gpu` (FAKE_MAX_MIG_PER_GPU slots, present or not), after a refresh */
+struct nvmlDevice_st *mig_slots(unsigned int gpu);
+/* fake_nvml_gi.c: `giprofile` lines */
+const char *parse_giprofile_directive(char **w, int n);
+void giprofile_clear(void);
 /* Called by load_config when the file was read at init: remembers what it was. */
 void mig_note_file(const char *path);
 

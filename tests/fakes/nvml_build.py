@@ -36,11 +36,13 @@ def nvml_config_text(
     compute_procs: Iterable[tuple[int, int, int]] = (),
     driver: str | None = None,
     fail: Iterable[tuple[str, int]] = (),
+    privileged: bool = False,
 ) -> str:
     """Config text for the fake: gpus as (uuid, total, used, (cc_major, cc_minor), mig, name)
     indexed in order; clients/processes as (gpu_index, pid, used_bytes); fail as
-    (function_name, nvml_error_code)."""
-    lines = []
+    (function_name, nvml_error_code); ``privileged``: the caller may read a GPU in MIG mode whole
+    (without it, as in an unprivileged container, NVML refuses that)."""
+    lines = ["privileged"] if privileged else []
     for index, (uuid, total, used, (major, minor), mig, name) in enumerate(gpus):
         lines.append(f"gpu {index} {uuid} {total} {used} {major} {minor} {int(mig)} {name}")
     lines += [f"proc {gpu} {pid} {used}" for gpu, pid, used in mps_clients]
@@ -52,7 +54,9 @@ def nvml_config_text(
 
 
 def mig_line(gpu: int, slot: int, uuid: str, gi: int, ci: int, gi_slices: int, ci_slices: int, sms: int,
-             total: int, used: int, profile: str) -> str:
+             total: int, used: int, profile: str, **options: int) -> str:
     """One ``mig`` directive: a MIG device (compute instance) ``slot`` on GPU ``gpu`` (format at the
-    top of fake_nvml.c; semantics in fake_nvml_mig.c)."""
-    return f"mig {gpu} {slot} {uuid} {gi} {ci} {gi_slices} {ci_slices} {sms} {total} {used} {profile}\n"
+    top of fake_nvml.c; semantics in fake_nvml_mig.c); ``options``: gip, cip, start, ce, dec, enc,
+    jpg, ofa (the GPU instance profile ID, placement start and engines)."""
+    extra = "".join(f" {k}={v}" for k, v in options.items())
+    return f"mig {gpu} {slot} {uuid} {gi} {ci} {gi_slices} {ci_slices} {sms} {total} {used} {profile}{extra}\n"

@@ -79,13 +79,13 @@ def test_mig_devices_are_found_under_their_parent_with_the_instance_view(nvml):
             found.append((slot, pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)))
         except pynvml.NVMLError_NotFound:
             continue
-    assert [slot for slot, _ in found] == [0, 2]
+    assert [slot for slot, _ in found] == [0, 1]  # indices count the instances there are (lines 0 and 2)
     mig = found[0][1]
     assert is_mig(mig) == 1 and is_mig(gpu) == 0
     assert pynvml.nvmlDeviceGetUUID(mig) == M1
     assert pynvml.nvmlDeviceGetName(mig) == f"{H100} MIG 1g.10gb"
     assert (pynvml.nvmlDeviceGetGpuInstanceId(mig), pynvml.nvmlDeviceGetComputeInstanceId(mig)) == (9, 0)
-    assert pynvml.nvmlDeviceGetIndex(mig) == 0 and pynvml.nvmlDeviceGetIndex(found[1][1]) == 2
+    assert pynvml.nvmlDeviceGetIndex(mig) == 0 and pynvml.nvmlDeviceGetIndex(found[1][1]) == 1
     memory = pynvml.nvmlDeviceGetMemoryInfo(mig)
     assert (memory.total, memory.used) == (10 * GIB, GIB)
     attrs = pynvml.nvmlDeviceGetAttributes(mig)
@@ -133,7 +133,8 @@ def test_mig_disabled_enabled_without_instances_and_unsupported(nvml):
 def test_a_layout_change_is_seen_without_init_again_and_a_vanished_handle_is_invalid(nvml):
     path = nvml(layout(ONE_G, THREE_G))
     gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
-    old = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 2)
+    old = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 1)
+    assert pynvml.nvmlDeviceGetUUID(old) == M2
     rewrite(path, layout(ONE_G, mig_line(0, 1, M3, 1, 0, 2, 2, 32, 20 * GIB, 0, "2g.20gb")))
     with pytest.raises(pynvml.NVMLError_NotFound):
         pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 2)

@@ -30,6 +30,7 @@ CONFIG = nvml_config_text(
     mps_clients=[(0, 3001, 2 * GIB), (0, 3002, GIB), (1, 4001, 512 << 20)],
     compute_procs=[(0, 2999, 3 * GIB), (1, 2999, 512 << 20)],
     driver="550.163.01",
+    privileged=True,
 )
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,9 +109,11 @@ def test_nvml_errors_name_the_call_and_nvml_message(open_inventory, function: st
 
 
 def test_mps_query_error_is_not_a_fallback(open_inventory) -> None:
+    """Refused on a whole GPU (1) it is an error; on a GPU in MIG mode (0) it is NVML's rule for
+    unprivileged callers, and that GPU's clients are left out (test_mig_privileges.py)."""
     inv = open_inventory(CONFIG + "fail nvmlDeviceGetMPSComputeRunningProcesses_v3 4\n")
     with pytest.raises(
-        InventoryError, match=r"MPSComputeRunningProcesses_v3\(gpu 0\) failed: Insufficient Permissions"
+        InventoryError, match=r"MPSComputeRunningProcesses_v3\(gpu 1\) failed: Insufficient Permissions"
     ):
         inv.mps_clients()
 
@@ -222,7 +225,7 @@ gpu_strategy = st.builds(
 )
 def test_inventory_reports_exactly_what_the_driver_has(fake_nvml_lib: Path, gpus, procs) -> None:
     procs = [(gpu % len(gpus), pid, used) for gpu, pid, used in procs]
-    with _fake_config(nvml_config_text(gpus=gpus, mps_clients=procs)), Inventory(str(fake_nvml_lib)) as inv:
+    with _fake_config(nvml_config_text(gpus=gpus, mps_clients=procs, privileged=True)), Inventory(str(fake_nvml_lib)) as inv:
         assert inv.gpus() == [Gpu(i, g[0], g[5], g[1], g[2], g[3], g[4], i) for i, g in enumerate(gpus)]
         expected = sorted(procs, key=lambda p: p[0])  # the fake lists per GPU in file order
         assert inv.mps_clients() == [Client(*p) for p in expected]

@@ -34,17 +34,24 @@ def test_memory_gb_is_the_name_nvidia_tools_give(mib, total, gb):
 
 
 @pytest.mark.parametrize(
-    "name, gs, cs, mib, profile",
-    [
-        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", 1, 1, 9984, "1g.10gb"),
-        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me", 1, 1, 9984, "1g.10gb+me"),  # the driver's spelling wins
-        ("NVIDIA H100 80GB HBM3 MIG 1c.3g.40gb", 3, 1, 40192, "1c.3g.40gb"),
-        ("NVIDIA H100 80GB HBM3", 3, 1, 40192, "1c.3g.40gb"),  # no MIG name: made from the slices
-        ("something MIG not-a-profile", 2, 2, 20096, "2g.20gb"),
+    "gip, cs, mib, profile",
+    [  # go-nvlib's names (mig_profile.go) from NVML_GPU_INSTANCE_PROFILE_* IDs
+        (0x0, 1, 9984, "1g.10gb"),
+        (0x7, 1, 9984, "1g.10gb+me"),  # 1_SLICE_REV1
+        (0xD, 1, 9984, "1g.10gb-me"),  # 1_SLICE_NO_ME: *without* media extensions
+        (0xF, 1, 9984, "1g.10gb+me.all"),  # 1_SLICE_ALL_ME
+        (0xA, 1, 9984, "1g.10gb+gfx"),  # 1_SLICE_GFX
+        (0x9, 1, 20096, "1g.20gb"),  # 1_SLICE_REV2: twice the memory
+        (0x2, 1, 40192, "1c.3g.40gb"),
+        (0x2, 3, 40192, "3g.40gb"),
+        (0x1, 2, 20096, "2g.20gb"),
+        (0x4, 7, 80896, "7g.80gb"),
+        (0x11, 3, 40192, None),  # an ID mpsd does not know: no guess
+        (None, 1, 9984, None),
     ],
 )
-def test_profile_name(name, gs, cs, mib, profile):
-    assert profile_name(name, gs, cs, mib, H100_TOTAL) == profile
+def test_profile_name(gip, cs, mib, profile):
+    assert profile_name(gip, cs, mib, H100_TOTAL) == profile
 
 
 def test_caps_file_parsed_and_junk_left_out():
@@ -52,7 +59,7 @@ def test_caps_file_parsed_and_junk_left_out():
     assert parse_caps(text) == {(0, 1, None): 12, (0, 1, 0): 13, (1, 2, None): 21}
 
 
-M1, M2, M3 = (f"MIG-aaaaaaaa-0000-0000-0000-00000000000{i}" for i in (1, 2, 3))
+M1, M2, M3, M4 = (f"MIG-aaaaaaaa-0000-0000-0000-00000000000{i}" for i in (1, 2, 3, 4))
 
 
 def node(*migs: str) -> str:
@@ -84,10 +91,11 @@ def test_instances_of_every_gpu_in_mig_mode_with_their_caps_minors(inventory, tm
     inv = inventory(node(
         mig_line(0, 0, M1, 9, 0, 1, 1, 16, 9984 * MIB, MIB, "1g.10gb"),
         mig_line(0, 3, M2, 2, 1, 3, 1, 16, 40192 * MIB, 0, "1c.3g.40gb"),
+        mig_line(0, 4, M4, 2, 2, 3, 2, 32, 40192 * MIB, 0, "2c.3g.40gb"),
         mig_line(2, 1, M3, 2, 0, 3, 3, 60, 40192 * MIB, 0, "3g.40gb"),
     ))
     found = {d.uuid: d for d in inv.mig_devices(caps_file=str(caps))}
-    assert set(found) == {M1, M2, M3}
+    assert set(found) == {M1, M2, M3, M4}
     one = found[M1]
     assert (one.parent_index, one.mig_index, one.gpu_instance, one.compute_instance) == (0, 0, 9, 0)
     assert (one.profile, one.memory_total, one.memory_used, one.sm_count) == ("1g.10gb", 9984 * MIB, MIB, 16)
@@ -95,6 +103,10 @@ def test_instances_of_every_gpu_in_mig_mode_with_their_caps_minors(inventory, tm
     assert one.caps_minors == (84, 85) and one.device_nodes == (
         "/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap84", "/dev/nvidia-caps/nvidia-cap85")
     assert found[M2].profile == "1c.3g.40gb" and found[M2].caps_minors is None  # not in the caps file
+    # two compute instances of one 40 GB GPU instance: NVML says 40 GB of each; they are sold 1/3 and 2/3
+    assert (found[M2].gi_memory, found[M4].gi_memory) == (40192 * MIB, 40192 * MIB)
+    assert (found[M2].memory_total, found[M4].memory_total) == (13397 * MIB, 26794 * MIB)
+    assert found[M2].memory_total + found[M4].memory_total <= 40192 * MIB
     assert found[M3].parent_minor == 5 and found[M3].caps_minors == (60, 61)
     assert [d.uuid for d in by_profile(found.values())["3g.40gb"]] == [M3]
 

@@ -26,7 +26,17 @@ def mig(n: int, profile: str = "1g.10gb", gpu: int = 1, gi: int | None = None, m
         gpu_instance=gi if gi is not None else n + 1, compute_instance=0, profile=profile,
         name=f"{H100} MIG {profile}", memory_total=memory, memory_used=0, sm_count=sms, gi_slices=slices,
         ci_slices=slices, compute_capability=(9, 0), parent_minor=gpu, caps_minors=(100 + 2 * n, 101 + 2 * n),
+        gi_profile_id={1: 0, 2: 1, 3: 2, 4: 3, 7: 4}[slices], placement_start=gi if gi is not None else n + 1,
+        parent_name=H100, gi_memory=memory,
     )
+
+
+def caps_nodes(path: Path) -> Path:
+    """Stand-ins for the host's /dev/nvidia-caps nodes of mig(0..20)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for minor in range(100, 142):
+        (path / f"nvidia-cap{minor}").touch()
+    return path
 
 
 @pytest.fixture
@@ -53,6 +63,7 @@ def mig_config(mps_control, short_dir):
             "shutdown-timeout": "3s",
             "state-dir": str(short_dir / "state"),
             "active-thread-percentage": "60",
+            "mig-caps-dir": str(caps_nodes(short_dir / "caps")),
         }
         values.update(overrides)
         return cfg.load(None, {}, values)

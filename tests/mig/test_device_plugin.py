@@ -178,4 +178,8 @@ def test_a_burst_memory_limit_is_refused_in_one_line_and_nothing_is_offered(node
 def test_resource_names():
     assert resource_name("mpsd.io/gpu", "1g.10gb") == "mpsd.io/mig-1g.10gb"
     assert resource_name("example.com/shared-gpu", "1c.3g.40gb") == "example.com/mig-1c.3g.40gb"
-    assert resource_name("mpsd.io/gpu", "1g.10gb+me") == "mpsd.io/mig-1g.10gb-me"
+    # as NVIDIA's mixed strategy: + becomes . (nvidia.com/mig-1g.10gb.me); go-nvlib's negative -me
+    # ("without media extensions") keeps its dash, so the two are two resources, not one read backwards
+    assert resource_name("mpsd.io/gpu", "1g.10gb+me") == "mpsd.io/mig-1g.10gb.me"
+    assert resource_name("mpsd.io/gpu", "1g.10gb+me.all") == "mpsd.io/mig-1g.10gb.me.all"
+    assert resource_name("mpsd.io/gpu", "1g.10gb-me") == "mpsd.io/mig-1g.10gb-me"

@@ -29,6 +29,7 @@ PARENT = Gpu(1, "GPU-00000000-0000-0000-0000-0000000000a0", "NVIDIA H100 80GB HB
 A = dataclasses.replace(mig(1, gi=9), slices=4)
 B = dataclasses.replace(mig(2, "3g.40gb", gi=2, memory=40192 * MIB, sms=60, slices=3), slices=4)
 REF = ClaimRef("ns", "c1", "uid-1")
+NA, NB = "gpu-1-mig-1g10gb-0-9", "gpu-1-mig-3g40gb-2-2"  # NVIDIA's form: parent minor, profile, GI profile, placement
 
 
 @pytest.mark.parametrize("mode", ["capacity", "slices"])
@@ -36,12 +37,12 @@ def test_instances_are_published_next_to_whole_gpus_and_pass_the_schema(mode):
     devices = build_devices([WHOLE, PARENT, A, B], mode, 4, "580.95.05")
     names = [d["name"] for d in devices]
     if mode == "capacity":
-        assert names == ["gpu-0", "gpu-1-mig-2-0", "gpu-1-mig-9-0"]  # the MIG GPU itself is not published whole
+        assert names == ["gpu-0", NB, NA]  # the MIG GPU itself is not published whole
         one = devices[2]
         assert one["capacity"]["memory"]["value"] == "9984Mi" and one["capacity"]["compute"]["value"] == "100"
         assert one["allowMultipleAllocations"] is True
     else:
-        assert names[4:] == [f"gpu-1-mig-{gi}-0-slice-{k}" for gi in (2, 9) for k in range(4)]
+        assert names[4:] == [f"{name}-slice-{k}" for name in (NB, NA) for k in range(4)]
         one = devices[-1]
     attrs = one["attributes"]
     assert attrs["uuid"] == {"string": A.uuid} and attrs["parentUUID"] == {"string": A.parent_uuid}
@@ -56,25 +57,25 @@ def test_instances_are_published_next_to_whole_gpus_and_pass_the_schema(mode):
 
 def test_slices_of_an_instance_add_up_to_it_and_one_that_cannot_be_divided_is_left_out():
     devices = build_devices([A, dataclasses.replace(B, slices=0)], "slices", 4)
-    assert [d["name"] for d in devices] == [f"gpu-1-mig-9-0-slice-{k}" for k in range(4)]
+    assert [d["name"] for d in devices] == [f"{NA}-slice-{k}" for k in range(4)]
     from lightkube.utils.quantity import parse_quantity
 
     assert sum(parse_quantity(d["capacity"]["memory"]["value"]) for d in devices) == A.memory_total // MIB * MIB
 
 
 def test_a_claim_on_an_instance_is_planned_from_the_instances_numbers():
-    planned = plan_claim(claim(results=[result("gpu-1-mig-9-0", memory="4Gi")]), REF, driver=DRIVER, node=NODE,
+    planned = plan_claim(claim(results=[result(NA, memory="4Gi")]), REF, driver=DRIVER, node=NODE,
                          pool=NODE, gpus=[WHOLE, A, B], slices_per_gpu=10)
     (share,) = planned.plan.gpus
     assert (share.uuid, share.index, share.memory_limit) == (A.uuid, 1, 4 * GIB)
     assert planned.plan.active_thread_percentage == pytest.approx(41.03)  # 4 GiB of 9984 MiB, up to a hundredth
-    sliced = plan_claim(claim(results=[result("gpu-1-mig-2-0-slice-3", memory=None)]), REF, driver=DRIVER,
+    sliced = plan_claim(claim(results=[result(NB + "-slice-3", memory=None)]), REF, driver=DRIVER,
                         node=NODE, pool=NODE, gpus=[B], slices_per_gpu=10)
     assert sliced.plan.active_thread_percentage == 25.0  # the instance's 4 slices, not slicesPerGpu's 10
 
 
 def test_two_instances_of_one_gpu_stay_two_devices_and_the_backend_refuses_the_claim(tmp_path):
-    planned = plan_claim(claim(results=[result("gpu-1-mig-9-0", memory="1Gi"), result("gpu-1-mig-2-0", memory="1Gi",
+    planned = plan_claim(claim(results=[result(NA, memory="1Gi"), result(NB, memory="1Gi",
                                                                                        request="b")]),
                          REF, driver=DRIVER, node=NODE, pool=NODE, gpus=[A, B], slices_per_gpu=4)
     assert [g.uuid for g in planned.plan.gpus] == [A.uuid, B.uuid]  # not merged under their GPU's index
@@ -92,7 +93,7 @@ def test_burst_on_an_instance_is_refused_in_one_line_and_the_whole_gpus_keep_the
     from mpsd.sharing.mig import Routed
     from mpsd.sharing.v2 import BURST, V2Backend
 
-    planned = plan_claim(claim(results=[result("gpu-1-mig-9-0", memory="1Gi")]), REF, driver=DRIVER, node=NODE,
+    planned = plan_claim(claim(results=[result(NA, memory="1Gi")]), REF, driver=DRIVER, node=NODE,
                          pool=NODE, gpus=[A], slices_per_gpu=4)
     paths = HostPaths(str(tmp_path), str(tmp_path), str(tmp_path))
     backend = MigBackend(paths, lambda uuid: str(tmp_path / uuid))
@@ -105,11 +106,11 @@ def test_burst_on_an_instance_is_refused_in_one_line_and_the_whole_gpus_keep_the
 
 def test_a_claim_on_a_vanished_instance_is_refused_in_one_line():
     with pytest.raises(DraError) as exc:
-        plan_claim(claim(results=[result("gpu-1-mig-5-0")]), REF, driver=DRIVER, node=NODE, pool=NODE,
+        plan_claim(claim(results=[result("gpu-1-mig-1g10gb-0-5")]), REF, driver=DRIVER, node=NODE, pool=NODE,
                    gpus=[WHOLE, A], slices_per_gpu=4)
     assert "MIG instance is not served on this node" in str(exc.value) and "\n" not in str(exc.value)
-    with pytest.raises(DraError, match="gpu-<index>-mig-<gi>-<ci>"):
-        plan_claim(claim(results=[result("gpu-1-mig-x")]), REF, driver=DRIVER, node=NODE, pool=NODE,
+    with pytest.raises(DraError, match="gpu-<minor>-mig-<profile>-<GI profile ID>"):
+        plan_claim(claim(results=[result("gpu-1-mig-X")]), REF, driver=DRIVER, node=NODE, pool=NODE,
                    gpus=[A], slices_per_gpu=4)
 
 
@@ -122,7 +123,7 @@ def test_a_prepared_claim_reaches_the_instances_daemon_with_its_caps_nodes(env):
     pipe = str(env.root / "mig" / A.uuid)
     served = {A.uuid: pipe}
     preparer = env.preparer(gpu_list=[WHOLE, A], backend=MigBackend(env.paths, served.get))
-    env.claims.put(claim(results=[result("gpu-1-mig-9-0", memory="2Gi")]))
+    env.claims.put(claim(results=[result(NA, memory="2Gi")]))
     rec = preparer.prepare(REF)
     spec = json.loads((env.cdi_dir / rec.spec_name).read_text())
     edits = spec["devices"][0]["containerEdits"]
@@ -134,7 +135,7 @@ def test_a_prepared_claim_reaches_the_instances_daemon_with_its_caps_nodes(env):
     assert nodes[-3:] == [str(env.root / "dev" / "nvidia1"), *(str(caps / f"nvidia-cap{m}") for m in A.caps_minors)]
 
     served.clear()  # the instance vanished: a new claim on it fails in one line, nothing left behind
-    env.claims.put(claim(uid="uid-2", name="c2", results=[result("gpu-1-mig-9-0", memory="2Gi")]))
+    env.claims.put(claim(uid="uid-2", name="c2", results=[result(NA, memory="2Gi")]))
     with pytest.raises(DraError, match="not served on this node") as exc:
         preparer.prepare(ClaimRef("ns", "c2", "uid-2"))
     assert "\n" not in str(exc.value)

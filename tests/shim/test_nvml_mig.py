@@ -33,7 +33,10 @@ print(total.value, pynvml.nvmlDeviceGetMemoryInfo(gpu).total, pynvml.nvmlDeviceG
 
 def test_cuda_and_nvml_report_the_instances_slice(shim: ShimEnv) -> None:
     (shim.tmp / "nvml.conf").write_text(
-        nvml_config_text([("GPU-00000000-0000-0000-0000-0000000000a0", 80 * G, 0, (9, 0), True, "NVIDIA H100")])
+        nvml_config_text([("GPU-00000000-0000-0000-0000-0000000000a0", 80 * G, 0, (9, 0), True, "NVIDIA H100")],
+                         privileged=True)  # the GPU's own memory query; unprivileged NVML refuses it in MIG mode
+        + "".join(mig_line(0, i, f"MIG-beef000{i}-0000-0000-0000-000000000000", 2 + i, 0, 1, 1, 16, 10 * G, 0,
+                           "1g.10gb") for i in range(2))  # NVML indices count instances: this one is the third
         + mig_line(0, 2, MIG_UUID, 1, 0, 1, 1, 16, 10 * G, 0, "1g.10gb"))
     env = shim.env("0=2G", extra={"FAKE_CUDA_DEVICES": "10G"})  # the container sees the instance
     proc = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=60)
