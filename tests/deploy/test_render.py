@@ -75,4 +75,4 @@ def test_every_mpsd_image_carries_the_project_version() -> None:
             for c in pod.get("containers", []) + pod.get("initContainers", []):
                 if c["image"].split(":")[0].endswith("mpsd"):
                     images.add(c["image"])
-    assert images == {f"mpsd:{version}"}
+    assert images == {f"localhost/mpsd:{version}"}  # as scripts/image.sh tags it

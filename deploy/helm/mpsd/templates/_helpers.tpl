@@ -10,8 +10,42 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- end }}
 
+{{/*
+Pod template labels: the selector's (fixed at install: selectors are immutable) plus the release.
+Nothing that changes between chart versions (helm.sh/chart, app.kubernetes.io/version): a pod
+template that changes rolls mpsd, and leaves the OnDelete holder out of date.
+Arguments: dict "root" $ "component" COMPONENT
+*/}}
+{{- define "mpsd.podLabels" -}}
+app.kubernetes.io/name: mpsd
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- end }}
+
 {{- define "mpsd.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The holder's image: its own tag, never the chart's appVersion (see values.yaml). */}}
+{{- define "mpsd.holderImage" -}}
+{{ .Values.holder.image.repository }}:{{ .Values.holder.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/*
+A tmpfs size (schema: digits and K, Ki, M, Mi, G or Gi, all powers of 1024, as
+mpsd.plugin.regionfs reads it) in bytes; fails above 1Ti: the kernel takes any size, and the
+pages are the node's memory. Arguments: dict "name" VALUE-NAME "size" SIZE
+*/}}
+{{- define "mpsd.tmpfsBytes" -}}
+{{- $size := toString .size -}}
+{{- $units := dict "" 1 "K" 1024 "Ki" 1024 "M" 1048576 "Mi" 1048576 "G" 1073741824 "Gi" 1073741824 -}}
+{{- $digits := regexFind "^[0-9]+" $size -}}
+{{- $unit := trimPrefix $digits $size -}}
+{{- $bytes := mul (atoi $digits) (get $units $unit) -}}
+{{- if or (gt (len $digits) 13) (gt $bytes 1099511627776) -}}
+{{- fail (printf "%s: %s is over 1Ti (1024Gi): a tmpfs holds node memory; size it to what pods write" .name $size) -}}
+{{- end -}}
+{{- $bytes -}}
 {{- end }}
 
 {{/*
@@ -54,6 +88,10 @@ render with one line.
 {{- if not (regexMatch ":[0-9]+$" (toString $cfg.metricsAddress)) -}}
 {{- fail (printf "config.metricsAddress: %q: the probes and the Service need a host:port" (toString $cfg.metricsAddress)) -}}
 {{- end -}}
+{{- $port := toString $cfg.metricsAddress | splitList ":" | last -}}
+{{- if or (gt (len $port) 5) (lt (atoi $port) 1) (gt (atoi $port) 65535) -}}
+{{- fail (printf "config.metricsAddress: %q: port %s is outside 1-65535" (toString $cfg.metricsAddress) $port) -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end }}
 
@@ -62,18 +100,29 @@ render with one line.
 {{- (include "mpsd.config" . | fromYaml).metricsAddress | splitList ":" | last -}}
 {{- end }}
 
-{{/* Where the pods run: nodes opted in, tolerating GPU taints (mpsd and the holder alike). */}}
+{{/*
+Where the pods run (mpsd and the holder alike): nodeSelectorTerms as the required node
+affinity, narrowed by nodeSelector, with the rest of affinity (preferred node affinity, pod
+(anti-)affinity) beside it; tolerating GPU taints; the RuntimeClass when one is named.
+*/}}
 {{- define "mpsd.placement" -}}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 priorityClassName: {{ .Values.priorityClassName }}
+{{- with .Values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $required := dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" .Values.nodeSelectorTerms) }}
+{{- $affinity := deepCopy .Values.affinity }}
+{{- $_ := set $affinity "nodeAffinity" (merge $required (get $affinity "nodeAffinity" | default dict)) }}
 affinity:
-  nodeAffinity:
-    requiredDuringSchedulingIgnoredDuringExecution:
-      nodeSelectorTerms:
-        {{- toYaml .Values.nodeSelectorTerms | nindent 8 }}
+  {{- toYaml $affinity | nindent 2 }}
 {{- with .Values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
@@ -92,12 +141,13 @@ tolerations:
 An init container that mounts a size-limited tmpfs inside stateDir (privileged: mount(2) and
 Bidirectional propagation), as the Kustomize tree's region-tmpfs and shm-tmpfs.
 Arguments: dict "root" $ "name" "region-tmpfs" "path" PATH "tmpfs" (size, inodes) "shm" BOOL
+"image" IMAGE (the values' image or holder.image)
 */}}
 {{- define "mpsd.tmpfsInit" -}}
 {{- $cfg := include "mpsd.config" .root | fromYaml -}}
 - name: {{ .name }}
-  image: {{ include "mpsd.image" .root }}
-  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  image: {{ printf "%s:%s" .image.repository (.image.tag | default .root.Chart.AppVersion) }}
+  imagePullPolicy: {{ .image.pullPolicy }}
   command: {{ concat (list "python" "-m" "mpsd.plugin.regionfs" .path (toString .tmpfs.size) "--inodes" (toString .tmpfs.inodes)) (ternary (list "--mode" "1777" "--label" "shmDir") (list) .shm) | toJson }}
   securityContext:
     # privileged: mount(2) needs CAP_SYS_ADMIN and Bidirectional propagation
@@ -131,14 +181,36 @@ runAsGroup: 0
 allowPrivilegeEscalation: false
 # Drop everything, add back only: SETUID, SETGID (servers run as their client's UID/GIDs),
 # KILL (signal servers of other UIDs), CHOWN, FOWNER, DAC_OVERRIDE (files of other UIDs in the
-# pipe, log and region dirs), and SYS_ADMIN with exclusiveProcess (nvidia-smi -c).
+# pipe, log and region dirs), SYS_PTRACE for mpsd (read the sessions held on an adopted daemon's
+# control sockets: without it a silent daemon is only reported, never judged hung, docs/security.md),
+# and SYS_ADMIN with exclusiveProcess (nvidia-smi -c).
 capabilities:
   drop: ["ALL"]
-  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
+  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_PTRACE") (list) (and .ptrace true)) (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
 {{- if .dra }}
 # SELinux: the reference DRA drivers run privileged (spc_t); mpsd takes that domain only, so it may
 # write the kubelet's plugin directories and /var/run/cdi on an enforcing node (docs/security.md).
 seLinuxOptions:
   type: spc_t
 {{- end }}
+{{- end }}
+
+{{/*
+What the nodes keep across upgrades, as JSON (mpsd.io/node-settings on both DaemonSets; checked
+by templates/checks.yaml): the holder's pod template (a checksum; "off" without a holder), the
+ipcMode, and the tmpfs sizes (a mount keeps its size until it is gone).
+*/}}
+{{- define "mpsd.nodeSettings" -}}
+{{- $holder := "off" -}}
+{{- if .Values.holder.enabled -}}
+{{- $holder = include "mpsd.holderPod" . | fromYaml | toJson | sha256sum | trunc 16 -}}
+{{- end -}}
+{{- $region := printf "%s/%v" (toString .Values.regionTmpfs.size) .Values.regionTmpfs.inodes -}}
+{{- $_ := include "mpsd.tmpfsBytes" (dict "name" "regionTmpfs.size" "size" .Values.regionTmpfs.size) -}}
+{{- $shm := "none" -}}
+{{- if eq .Values.ipcMode "tmpfs" -}}
+{{- $shm = printf "%s/%v" (toString .Values.shmTmpfs.size) .Values.shmTmpfs.inodes -}}
+{{- $_ := include "mpsd.tmpfsBytes" (dict "name" "shmTmpfs.size" "size" .Values.shmTmpfs.size) -}}
+{{- end -}}
+{{- dict "holderPod" $holder "ipcMode" .Values.ipcMode "regionTmpfs" $region "shmTmpfs" $shm | toJson -}}
 {{- end }}
