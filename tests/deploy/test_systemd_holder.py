@@ -60,10 +60,14 @@ def test_mpsd_starts_after_the_holder_and_stops_or_restarts_with_it():
 
 
 def test_the_holder_has_mpsds_hardening_and_capabilities():
-    shared = ("User", "CapabilityBoundingSet", "NoNewPrivileges", "ProtectSystem", "PrivateTmp", "PrivateDevices",
+    shared = ("User", "NoNewPrivileges", "ProtectSystem", "PrivateTmp", "PrivateDevices",
               "PrivateIPC", "ProtectHome", "RestrictSUIDSGID")  # fmt: skip
     for key in shared:
         assert HOLDER["Service"][key] == MPSD["Service"][key], key
+    # mpsd's, less CAP_SYS_PTRACE: only mpsd reads the sessions held on the daemon's sockets
+    holder = set(" ".join(HOLDER["Service"]["CapabilityBoundingSet"]).split())
+    mpsd = set(" ".join(MPSD["Service"]["CapabilityBoundingSet"]).split())
+    assert "CAP_SYS_PTRACE" in mpsd and holder == mpsd - {"CAP_SYS_PTRACE"}
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")

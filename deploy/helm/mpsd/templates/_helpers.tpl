@@ -186,7 +186,7 @@ allowPrivilegeEscalation: false
 # and SYS_ADMIN with exclusiveProcess (nvidia-smi -c).
 capabilities:
   drop: ["ALL"]
-  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_PTRACE") (list) (and .ptrace true)) (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
+  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_PTRACE") (list) (default false .ptrace)) (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
 {{- if .dra }}
 # SELinux: the reference DRA drivers run privileged (spc_t); mpsd takes that domain only, so it may
 # write the kubelet's plugin directories and /var/run/cdi on an enforcing node (docs/security.md).
