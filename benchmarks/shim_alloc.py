@@ -10,11 +10,11 @@ against the libcuda.so.1 this machine's loader finds (a GPU machine: tests/gpu r
 --shim is a libmpsshim.so to measure (several: e.g. --shim before=old.so --shim after=new.so
 compares two builds in one run); with none, the shim is built from this checkout and labelled
 "shim". Each --hami is a HAMi-core libvgpu.so measured beside them with its own settings
-(benchmarks/hami_core.sh builds one against the fake driver). For every shape (how the client reaches the driver, allocation size, threads per
-process, processes) it runs the client R times bare and R times under each shim, alternating so
-drift hits all alike. Under a shim the cap is 8 GiB on a 16 GiB fake device (never reached:
-every pair takes the whole charging path), and the processes of one run share one fresh region
-file.
+(benchmarks/hami_core.sh builds one against the fake driver). For every shape (how the client
+reaches the driver, allocation size, threads per process, processes) it runs the client R times
+bare and R times under each library, alternating so drift hits all alike. Under a library the
+cap is 8 GiB on a 16 GiB fake device (never reached: every pair takes the whole charging path),
+and the processes of one run share one fresh region file.
 
 Figures, per shape and library: ns per pair = wall time from the first thread's start to the last
 thread's end (across the processes) / all pairs of all threads and processes (for 8 threads an
