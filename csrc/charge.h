@@ -40,7 +40,11 @@ static inline int ms_hot_mode(void) {
 }
 
 /* 1 when allocations are being charged and remembered (caps set, not disabled). */
-static inline int ms_tracking(void) { return ms_hot_mode() == MS_HOT_CAPPED; }
+static inline int ms_tracking(void) {
+    int m = __atomic_load_n(&ms_hot, __ATOMIC_ACQUIRE);
+    if (__builtin_expect(m == MS_HOT_CAPPED, 1)) return 1;
+    return m == MS_HOT_UNKNOWN && ms_hot_mode_slow() == MS_HOT_CAPPED;
+}
 
 /* Decide whether `bytes` may be allocated on `dev` (or, dev < 0, the current context's
  * device) and charge them. CUDA_SUCCESS (c->charged says if anything was charged), or the
@@ -75,9 +79,10 @@ static inline __attribute__((always_inline)) CUresult ms_charge_current(const ch
     return CUDA_SUCCESS;
 }
 
+/* ms_uncharge of what a tracked allocation was charged (its device was checked by the charge). */
 static inline __attribute__((always_inline)) void ms_uncharge_fast(int dev, uint64_t bytes) {
     ms_region *r = __atomic_load_n(&ms_hot_region, __ATOMIC_RELAXED);
-    if (__builtin_expect(r != NULL && dev >= 0 && dev < MS_MAX_DEVICES, 1)) ms_uncharge_inl(r, dev, bytes);
+    if (__builtin_expect(r != NULL, 1)) ms_uncharge_inl(r, dev, bytes);
     else ms_uncharge(dev, bytes);
 }
 
@@ -98,22 +103,30 @@ static inline __attribute__((always_inline)) CUresult ms_charge_end_ptr(const ch
  * being freed, while the driver frees it, so that a racing allocation that gets the same address
  * cannot be forgotten instead, and a second free of the same pointer racing with this one joins
  * it: exactly one of them uncharges (track.h). */
-typedef struct ms_forget {
-    int known;
-    uint64_t ticket;
-} ms_forget;
+typedef struct ms_freeing {
+    int known;       /* the pointer is tracked: its free is marked */
+    ms_pslot *first; /* marked in its first slot with `word` (the common case), else NULL */
+    uint64_t word;
+    uint64_t ticket; /* otherwise */
+} ms_freeing;
 
-static inline __attribute__((always_inline)) void ms_forget_ptr_begin(uint64_t key, ms_forget *f) {
-    f->known = ms_tracking() && ms_track_free_begin_ptr(key, &f->ticket);
+static inline __attribute__((always_inline)) void ms_free_ptr_begin(uint64_t key, ms_freeing *f) {
+    f->known = ms_tracking();
+    if (!f->known) return;
+    f->first = ms_ptr_mark_first(key, &f->word);
+    if (__builtin_expect(f->first == NULL, 0)) f->known = ms_track_free_begin(MS_TRACK_PTR, key, &f->ticket);
 }
 
-static inline __attribute__((always_inline)) CUresult ms_forget_ptr_end(const ms_forget *f, CUresult rc, uint64_t key) {
+static inline __attribute__((always_inline)) CUresult ms_free_ptr_end(const ms_freeing *f, CUresult rc, uint64_t key) {
     int dev;
     uint64_t bytes;
     if (!f->known) return rc;
-    int last = (f->ticket & 1) ? ms_ptr_free_end(f->ticket, rc == CUDA_SUCCESS, &dev, &bytes)
-                               : ms_track_free_end(MS_TRACK_PTR, key, f->ticket, rc == CUDA_SUCCESS, &dev, &bytes);
-    if (last) ms_uncharge_fast(dev, bytes);
+    if (__builtin_expect(f->first != NULL && rc == CUDA_SUCCESS && ms_ptr_unmark_freed(f->first, f->word, &dev, &bytes), 1)) {
+        ms_uncharge_fast(dev, bytes);
+        return rc;
+    }
+    uint64_t ticket = f->first != NULL ? ms_ptr_ticket(f->first, f->word) : f->ticket;
+    if (ms_track_free_end(MS_TRACK_PTR, key, ticket, rc == CUDA_SUCCESS, &dev, &bytes)) ms_uncharge(dev, bytes);
     return rc;
 }
 

@@ -153,9 +153,9 @@ CUresult ms_hk_cuMemFree_v2(CUdeviceptr dptr)
     __typeof(ms_hk_cuMemFree_v2) *real = MS_REAL(cuMemFree_v2);
     if (real == NULL)
         return ms_no_driver("cuMemFree_v2");
-    ms_forget f;
-    ms_forget_ptr_begin(dptr, &f);
-    return ms_forget_ptr_end(&f, real(dptr), dptr);
+    ms_freeing f;
+    ms_free_ptr_begin(dptr, &f);
+    return ms_free_ptr_end(&f, real(dptr), dptr);
 }
 MS_EXPORT_AS(cuMemFree_v2)
 
@@ -164,9 +164,9 @@ CUresult ms_hk_cuMemFree(CUdeviceptr_v1 dptr)
     __typeof(ms_hk_cuMemFree) *real = MS_REAL(cuMemFree);
     if (real == NULL)
         return ms_no_driver("cuMemFree");
-    ms_forget f;
-    ms_forget_ptr_begin(dptr, &f);
-    return ms_forget_ptr_end(&f, real(dptr), dptr);
+    ms_freeing f;
+    ms_free_ptr_begin(dptr, &f);
+    return ms_free_ptr_end(&f, real(dptr), dptr);
 }
 MS_EXPORT_AS(cuMemFree)
 
@@ -176,9 +176,9 @@ CUresult ms_hk_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
     __typeof(ms_hk_cuMemFreeAsync) *real = MS_REAL(cuMemFreeAsync);
     if (real == NULL)
         return ms_no_driver("cuMemFreeAsync");
-    ms_forget f;
-    ms_forget_ptr_begin(dptr, &f);
-    return ms_forget_ptr_end(&f, real(dptr, stream), dptr);
+    ms_freeing f;
+    ms_free_ptr_begin(dptr, &f);
+    return ms_free_ptr_end(&f, real(dptr, stream), dptr);
 }
 MS_EXPORT_AS(cuMemFreeAsync)
 
@@ -187,8 +187,8 @@ CUresult ms_hk_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
     __typeof(ms_hk_cuMemFreeAsync_ptsz) *real = MS_REAL(cuMemFreeAsync_ptsz);
     if (real == NULL)
         return ms_no_driver("cuMemFreeAsync_ptsz");
-    ms_forget f;
-    ms_forget_ptr_begin(dptr, &f);
-    return ms_forget_ptr_end(&f, real(dptr, stream), dptr);
+    ms_freeing f;
+    ms_free_ptr_begin(dptr, &f);
+    return ms_free_ptr_end(&f, real(dptr, stream), dptr);
 }
 MS_EXPORT_AS(cuMemFreeAsync_ptsz)

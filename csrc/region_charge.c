@@ -61,12 +61,84 @@ ms_lane *ms_enter_slow(ms_region *r, uint64_t *me) {
     }
     pthread_mutex_unlock(&ms_reg_lock);
     if (lane == MS_SHARED_LANE) pthread_mutex_lock(&r->shared_lane);
+    /* every operation of a live lane is MS_OP_SHARE (a repair of a dead slot may have left
+     * MS_OP_REPAIR on its lane 0 before the slot was claimed again) */
+    __atomic_store_n(&L->pkind, MS_OP_SHARE, __ATOMIC_RELAXED);
     return L;
 }
 
 void ms_leave_shared(ms_region *r) { pthread_mutex_unlock(&r->shared_lane); }
 
-/* --- the exported charge and give-back (the fast path is region_fast.h) --- */
+int ms_charge_slow(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use) {
+    uint64_t me;
+    ms_lane *L = ms_enter_slow(r, &me);
+    if (L == NULL) return MS_ERROR;
+    int rc = ms_charge_op(r, L, me, dev, cap, bytes, in_use);
+    if ((me & 15) == MS_SHARED_LANE) ms_leave_shared(r);
+    return rc;
+}
+
+uint64_t ms_uncharge_slow(ms_region *r, int dev, uint64_t bytes) {
+    uint64_t me;
+    ms_lane *L = ms_enter_slow(r, &me);
+    if (L == NULL) return bytes;
+    uint64_t left = ms_uncharge_op(r, L, me, dev, bytes);
+    if ((me & 15) == MS_SHARED_LANE) ms_leave_shared(r);
+    return left;
+}
+
+/* --- the charge and give-back beyond their first try (the fast path is region_fast.h) --- */
+
+int ms_charge_retry(ms_region *r, ms_lane *L, uint64_t me, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use,
+                    uint64_t seq, uint64_t pnew) {
+    ms_hdr *h = r->hdr;
+    ms_word *w = &h->used[dev];
+    int reclaimed = 0;
+    for (;;) {
+        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), val = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+        if (bytes > cap || val > cap - bytes) {
+            if (seq) __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE), seq = 0; /* announced, never applied */
+            if (!reclaimed++ && ms_reclaim(r) > 0) continue;
+            if (in_use) *in_use = val;
+            return ms_intact(h) ? MS_OVER_CAP : MS_ERROR;
+        }
+        ms_help_me(h, tag, me);
+        if (!seq) {
+            pnew = ms_ld(&L->share[dev]) + bytes;
+            seq = ms_announce_share(L, dev, pnew);
+            MS_FAULT("charge.announced");
+        }
+        if (ms_cas(w, val, tag, val + bytes, seq << 12 | me)) return ms_charge_done(r, L, dev, bytes, val, seq, pnew, in_use);
+    }
+}
+
+uint64_t ms_uncharge_retry(ms_region *r, ms_lane *L, uint64_t me, int dev, uint64_t bytes, uint64_t seq,
+                           uint64_t take, uint64_t pnew) {
+    ms_hdr *h = r->hdr;
+    if (!seq) { /* held[] not taken yet: clamp to what this process holds */
+        uint64_t have = __atomic_load_n(&r->held[dev], __ATOMIC_RELAXED);
+        do
+            take = bytes < have ? bytes : have;
+        while (take && !__atomic_compare_exchange_n(&r->held[dev], &have, have - take, 1, __ATOMIC_RELAXED,
+                                                    __ATOMIC_RELAXED));
+        if (take < bytes) __atomic_add_fetch(&h->clamped, 1, __ATOMIC_RELAXED);
+        if (take == 0) return bytes;
+        pnew = ms_ld(&L->share[dev]) - take;
+        seq = ms_announce_share(L, dev, pnew);
+        MS_FAULT("uncharge.announced");
+    }
+    ms_word *w = &h->used[dev];
+    for (;;) {
+        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), val = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+        ms_help_me(h, tag, me);
+        if (ms_cas(w, val, tag, val - (take < val ? take : val), seq << 12 | me)) {
+            if (val < take) __atomic_add_fetch(&h->clamped, 1, __ATOMIC_RELAXED); /* only a corrupted file */
+            return ms_uncharge_done(L, dev, bytes, take, seq, pnew);
+        }
+    }
+}
+
+/* --- the exported charge and give-back --- */
 
 int ms_region_charge(ms_region *r, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use) {
     if (r == NULL || dev < 0 || dev >= MS_MAX_DEVICES) return MS_ERROR;

@@ -72,24 +72,40 @@ static inline __attribute__((always_inline)) int ms_track_add_ptr_fast(uint64_t 
     return ms_track_add_ptr(key, dev, bytes);
 }
 
-/* ms_track_free_begin(MS_TRACK_PTR, ...); a ticket is (generation << 32 | slot << 1 | 1). */
-static inline __attribute__((always_inline)) int ms_track_free_begin_ptr(uint64_t key, uint64_t *ticket) {
+/* The common case of ms_track_free_begin(MS_TRACK_PTR, key): the entry in the pointer's first
+ * slot, FULL, marked FREEING by this free alone. The slot, and the word written (the end expects
+ * it), or NULL: then ms_ptr_free_begin does the rest (track.c). */
+static inline __attribute__((always_inline)) ms_pslot *ms_ptr_mark_first(uint64_t key, uint64_t *word) {
     ms_pslot *t = __atomic_load_n(&ms_ptab, __ATOMIC_ACQUIRE);
-    if (__builtin_expect(t != NULL, 1)) {
-        uint64_t h = ms_ptr_hash(key);
-        ms_pslot *p = &t[h];
-        uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
-        if (P_STATE(w) == MS_P_FULL && __atomic_load_n(&p->key, __ATOMIC_RELAXED) == key &&
-            ms_pcas(&p->word, &w, P_WORD(MS_P_FREEING, P_DEV(w), 0, 1, P_GEN(w)))) {
-            *ticket = (uint64_t)P_GEN(w) << 32 | h << 1 | 1;
-            return 1;
-        }
-    }
-    return ms_ptr_free_begin(key, ticket);
+    if (__builtin_expect(t == NULL, 0)) return NULL;
+    ms_pslot *p = &t[ms_ptr_hash(key)];
+    uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
+    /* FULL has freed and freers 0: FREEING with one freer is w + 1 + (1 << 12) */
+    *word = w + (MS_P_FREEING - MS_P_FULL) + ((uint64_t)1 << 12);
+    if (P_STATE(w) == MS_P_FULL && __atomic_load_n(&p->key, __ATOMIC_RELAXED) == key && ms_pcas(&p->word, &w, *word))
+        return p;
+    return NULL;
+}
+
+/* The ticket of a free marked by ms_ptr_mark_first (generation << 32 | slot << 1 | 1). */
+static inline uint64_t ms_ptr_ticket(const ms_pslot *p, uint64_t word) {
+    return (uint64_t)P_GEN(word) << 32 | (uint64_t)(p - ms_ptab) << 1 | 1;
+}
+
+/* The common end of such a free: the driver freed and no other free of the pointer joined, so the
+ * slot still holds `word`: FREEING -> TOMB, 1 and the entry's device and size. 0 otherwise (then
+ * ms_ptr_free_end with the ticket). */
+static inline __attribute__((always_inline)) int ms_ptr_unmark_freed(ms_pslot *p, uint64_t word, int *dev,
+                                                                     uint64_t *bytes) {
+    uint64_t size = __atomic_load_n(&p->bytes, __ATOMIC_RELAXED); /* before the slot can be reused */
+    if (!ms_pcas(&p->word, &word, word - ((uint64_t)1 << 12) - MS_P_FREEING + MS_P_TOMB)) return 0;
+    *dev = P_DEV(word);
+    *bytes = size;
+    return 1;
 }
 
 /* The end of a free begun by ms_ptr_free_begin (ticket & 1): the entry's slot is in the ticket. */
-static inline __attribute__((always_inline)) int ms_ptr_free_end(uint64_t ticket, int freed, int *dev, uint64_t *bytes) {
+static inline int ms_ptr_free_end(uint64_t ticket, int freed, int *dev, uint64_t *bytes) {
     ms_pslot *p = &ms_ptab[(ticket >> 1) & 0x7fffffff];
     uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
     for (;;) {
