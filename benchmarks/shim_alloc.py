@@ -67,7 +67,7 @@ def build(work: Path, want_shim: bool, driver: str = "fake") -> tuple[Path | Non
     if driver == "fake":
         fake = work / "fake"
         _run(["make", "-s", "-C", str(REPO / "tests/fakes"), f"OUT_DIR={fake}",
-              "LDFLAGS=-shared -Wl,-Bsymbolic-functions", "cuda"])  # fmt: skip
+              "LDFLAGS=-shared -Wl,-Bsymbolic-functions", "cuda", "nvml"])  # fmt: skip (HAMi-core needs NVML)
         libcuda = fake / "libcuda.so.1"
     else:
         libcuda = real_libcuda()
