@@ -66,7 +66,7 @@ CUresult ms_charge_unremembered(const char *fn, const ms_charge *c, uint64_t key
 static inline __attribute__((always_inline)) CUresult ms_charge_current(const char *fn, uint64_t bytes, ms_charge *c) {
     ms_region *r = __atomic_load_n(&ms_fast_region, __ATOMIC_ACQUIRE);
     if (__builtin_expect(r == NULL, 0)) return ms_charge_begin(fn, -1, bytes, c);
-    uint64_t in_use = 0, cap = ms_fast_cap;
+    uint64_t in_use, cap = ms_fast_cap; /* set by every MS_OVER_CAP, the one refusal that reports it */
     int rc = ms_charge_inl(r, 0, cap, bytes, &in_use);
     if (__builtin_expect(rc != MS_OK, 0)) {
         c->charged = 0;
@@ -118,13 +118,17 @@ static inline __attribute__((always_inline)) void ms_free_ptr_begin(uint64_t key
 }
 
 static inline __attribute__((always_inline)) CUresult ms_free_ptr_end(const ms_freeing *f, CUresult rc, uint64_t key) {
+    if (!f->known) return rc;
+    if (__builtin_expect(f->first != NULL && rc == CUDA_SUCCESS, 1)) {
+        int d;
+        uint64_t b;
+        if (__builtin_expect(ms_ptr_unmark_freed(f->first, f->word, &d, &b), 1)) {
+            ms_uncharge_fast(d, b);
+            return rc;
+        }
+    }
     int dev;
     uint64_t bytes;
-    if (!f->known) return rc;
-    if (__builtin_expect(f->first != NULL && rc == CUDA_SUCCESS && ms_ptr_unmark_freed(f->first, f->word, &dev, &bytes), 1)) {
-        ms_uncharge_fast(dev, bytes);
-        return rc;
-    }
     uint64_t ticket = f->first != NULL ? ms_ptr_ticket(f->first, f->word) : f->ticket;
     if (ms_track_free_end(MS_TRACK_PTR, key, ticket, rc == CUDA_SUCCESS, &dev, &bytes)) ms_uncharge(dev, bytes);
     return rc;
