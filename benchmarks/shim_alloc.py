@@ -2,18 +2,19 @@
 
     .venv/bin/python benchmarks/shim_alloc.py [--shim LABEL=PATH]... [--json FILE]
         [--paths link,dlsym,gpa] [--sizes 4096,1048576] [--threads 1,8] [--procs 1,2]
-        [--pairs N] [--rounds R] [--warmup W] [--driver fake|real]
+        [--hami LABEL=PATH]... [--pairs N] [--rounds R] [--warmup W] [--driver fake|real]
 
 Builds the client benchmarks/shim_alloc.c into a temporary directory, against the fake
 libcuda.so.1 (tests/fakes, bound to itself like NVIDIA's; the default) or, with --driver real,
 against the libcuda.so.1 this machine's loader finds (a GPU machine: tests/gpu runs it so). Each
 --shim is a libmpsshim.so to measure (several: e.g. --shim before=old.so --shim after=new.so
 compares two builds in one run); with none, the shim is built from this checkout and labelled
-"shim". For every shape (how the client reaches the driver, allocation size, threads per
-process, processes) it runs the client R times bare and R times under each shim, alternating so
-drift hits all alike. Under a shim the cap is 8 GiB on a 16 GiB fake device (never reached:
-every pair takes the whole charging path), and the processes of one run share one fresh region
-file.
+"shim". Each --hami is a HAMi-core libvgpu.so measured beside them with its own settings
+(benchmarks/hami_core.sh builds one against the fake driver). For every shape (how the client
+reaches the driver, allocation size, threads per process, processes) it runs the client R times
+bare and R times under each library, alternating so drift hits all alike. Under a library the
+cap is 8 GiB on a 16 GiB fake device (never reached: every pair takes the whole charging path),
+and the processes of one run share one fresh region file.
 
 Figures, per shape and library: ns per pair = wall time from the first thread's start to the last
 thread's end (across the processes) / all pairs of all threads and processes (for 8 threads an
@@ -66,7 +67,7 @@ def build(work: Path, want_shim: bool, driver: str = "fake") -> tuple[Path | Non
     if driver == "fake":
         fake = work / "fake"
         _run(["make", "-s", "-C", str(REPO / "tests/fakes"), f"OUT_DIR={fake}",
-              "LDFLAGS=-shared -Wl,-Bsymbolic-functions", "cuda"])  # fmt: skip
+              "LDFLAGS=-shared -Wl,-Bsymbolic-functions", "cuda", "nvml"])  # fmt: skip (HAMi-core needs NVML)
         libcuda = fake / "libcuda.so.1"
     else:
         libcuda = real_libcuda()
@@ -82,16 +83,31 @@ def build(work: Path, want_shim: bool, driver: str = "fake") -> tuple[Path | Non
     return fake, plain, linked, shim
 
 
-def parse_shims(specs: list[str]) -> dict[str, Path]:
-    shims: dict[str, Path] = {}
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path or label == "bare" or label in shims:
-            raise SystemExit(f"--shim {spec!r}: expected LABEL=PATH with a new label other than 'bare'")
-        if not Path(path).is_file():
-            raise SystemExit(f"--shim {spec!r}: {path} is not a file")
-        shims[label] = Path(path).resolve()
-    return shims
+def parse_libs(shim_specs: list[str], hami_specs: list[str]) -> dict[str, tuple[str, Path]]:
+    """--shim and --hami LABEL=PATH: label -> (kind, library), in the order given."""
+    libs: dict[str, tuple[str, Path]] = {}
+    for kind, specs in (("shim", shim_specs), ("hami", hami_specs)):
+        for spec in specs:
+            label, sep, path = spec.partition("=")
+            if not sep or not label or not path or label == "bare" or label in libs:
+                raise SystemExit(f"--{kind} {spec!r}: expected LABEL=PATH with a new label other than 'bare'")
+            if not Path(path).is_file():
+                raise SystemExit(f"--{kind} {spec!r}: {path} is not a file")
+            libs[label] = (kind, Path(path).resolve())
+    return libs
+
+
+def lib_env(kind: str, lib: Path, state: Path) -> dict[str, str]:
+    """What a run under a library sets: a cap of 8 GiB (never reached by the pairs) and its
+    accounting file at `state` (plus a suffix), fresh per run and shared by the run's processes."""
+    if kind == "hami":  # HAMi-core's own settings (its README)
+        return {
+            "LD_PRELOAD": str(lib),
+            "CUDA_DEVICE_MEMORY_LIMIT": "8g",
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{state}.cache",
+            "LIBCUDA_LOG_LEVEL": "0",
+        }
+    return {"LD_PRELOAD": str(lib), "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8G", "MPSSHIM_REGION": f"{state}.region"}
 
 
 def int_list(text: str, name: str, allowed: set[int] | None = None) -> list[int]:
@@ -163,12 +179,18 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(
-    args: argparse.Namespace, shims: dict[str, Path], fake: Path | None, plain: Path, linked: Path, work: Path
+    args: argparse.Namespace,
+    shims: dict[str, tuple[str, Path]],
+    fake: Path | None,
+    plain: Path,
+    linked: Path,
+    work: Path,
 ) -> list[dict[str, Any]]:
     base = {
         k: v
         for k, v in os.environ.items()
         if k not in ("LD_PRELOAD", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "MPSSHIM_DISABLE", "MPSSHIM_REGION")
+        and not k.startswith("CUDA_DEVICE_")
     }
     bare_env = base if fake is None else {**base, "LD_LIBRARY_PATH": str(fake), "FAKE_CUDA_DEVICES": "16G"}
     results = []
@@ -181,11 +203,8 @@ def measure(
             for label, done in runs.items():
                 env = dict(bare_env)
                 if label != "bare":
-                    env.update(
-                        LD_PRELOAD=str(shims[label]),
-                        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=8G",
-                        MPSSHIM_REGION=str(work / f"{label}-{n}-{r}.region"),
-                    )
+                    kind, lib = shims[label]
+                    env.update(lib_env(kind, lib, work / f"{label}-{n}-{r}"))
                 done.append(run_shape(exe, env, shape, args.pairs, args.warmup))
         bare = summarise(runs.pop("bare"))
         row: dict[str, Any] = {**shape, "bare": bare, "shims": {}}
@@ -271,10 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL=PATH",
         help="a libmpsshim.so to measure (repeat to compare); default: build this checkout's",
     )
+    ap.add_argument(
+        "--hami", action="append", default=[], metavar="LABEL=PATH", help="a HAMi-core libvgpu.so to measure beside"
+    )
     ap.add_argument("--paths", default="link,dlsym,gpa", help="how the client reaches the driver")
     ap.add_argument("--sizes", default="4096,1048576", help="allocation sizes in bytes")
     ap.add_argument("--threads", default="1,8", help="threads per process")
-    ap.add_argument("--procs", default="1,2", help="processes sharing one region (1 or 2)")
+    ap.add_argument("--procs", default="1,2", help="processes sharing one region (1 to 4)")
     ap.add_argument("--pairs", type=int, default=200_000, help="timed pairs per thread per run (default 200000)")
     ap.add_argument("--rounds", type=int, default=5, help="runs per shape and library (default 5)")
     ap.add_argument("--warmup", type=int, default=2000, help="untimed pairs per thread first (default 2000)")
@@ -288,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     args.paths = paths
     args.sizes = int_list(args.sizes, "sizes")
     args.threads = int_list(args.threads, "threads")
-    args.procs = int_list(args.procs, "procs", {1, 2})
+    args.procs = int_list(args.procs, "procs", {1, 2, 3, 4})
     if args.pairs < 1 or args.rounds < 1 or args.warmup < 0:
         raise SystemExit("--pairs and --rounds must be >= 1, --warmup >= 0")
-    shims = parse_shims(args.shim)
+    shims = parse_libs(args.shim, args.hami)
     with tempfile.TemporaryDirectory(prefix="shim-bench-") as tmp:
         work = Path(tmp)
         fake, plain, linked, own = build(work, want_shim=not shims, driver=args.driver)
         if own is not None:
-            shims = {"shim": own}
+            shims = {"shim": ("shim", own)}
         load = os.getloadavg()
         print(
             f"alloc+free pairs against the {args.driver} driver, {args.pairs} per thread per run, "
@@ -316,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "driver": args.driver,
         "settings": {"pairs_per_thread": args.pairs, "rounds": args.rounds, "warmup_per_thread": args.warmup},
         "targets_ns_added": {"single_thread": TARGET_ONE, "threads": TARGET_MANY},
-        "shims": {label: str(path) for label, path in shims.items()},
+        "shims": {label: str(path) for label, (_, path) in shims.items()},
         "results": results,
         "rows": flat_rows(results),
     }

@@ -19,6 +19,7 @@
  * Device pointers added with ms_track_add_ptr (every cuMemAlloc of the shim) live in one fixed
  * open-addressing table instead, where each operation is a single compare-and-swap on a slot's
  * state word and no lock is taken (end of the file). */
+#include "track_fast.h"
 #include "track_impl.h"
 
 #include <sched.h>
@@ -229,40 +230,8 @@ static int ms_locked_free_end(int kind, uint64_t key, uint32_t ticket, int freed
     return rc;
 }
 
-/* ---- Device pointers: the lock-free table ----------------------------------------------------
- * MS_PTR_SLOTS slots reserved with mmap on first use (pages appear as they are touched). A slot's
- * state word holds its state, generation, device, freers and freed flag; key and size sit beside
- * it. Every transition is one CAS on the word:
- *   add         EMPTY/TOMB -> BUSY (generation + 1), write key and size, then store FULL (release)
- *   free_begin  FULL -> FREEING with 1 freer; or FREEING n -> n + 1 (a racing free joins)
- *   free_end    FREEING n -> n - 1; the last: TOMB if any of them freed, else FULL again
- * A reader loads the word (acquire), then the key; its CAS succeeding proves the word, generation
- * included, did not change, so the slot was not reused and the key belonged to it. EMPTY never
- * comes back, so a lookup may stop at the first EMPTY slot. A probe of MS_PTR_PROBES slots finding
- * no room, or no table, sends the pointer to the locked shards (lookups then look there too). A
- * pointer added twice without a free between (a free the shim did not see) is two entries. After
- * fork a child keeps what other threads were doing: a slot left BUSY is lost to it, an entry left
- * FREEING keeps its charge (CUDA is not usable in such a child anyway). */
-#define MS_PTR_SLOTS (1u << 16)
-#define MS_PTR_PROBES 64
-
-enum { MS_P_EMPTY = 0, MS_P_BUSY = 1, MS_P_FULL = 2, MS_P_FREEING = 3, MS_P_TOMB = 4 };
-#define P_STATE(w) ((unsigned)((w) & 7))
-#define P_DEV(w) ((int)(((w) >> 3) & 0xff))
-#define P_FREED(w) ((unsigned)(((w) >> 11) & 1))
-#define P_FREERS(w) ((unsigned)(((w) >> 12) & 0xffff))
-#define P_GEN(w) ((uint32_t)((w) >> 32))
-#define P_WORD(state, dev, freed, freers, gen) \
-    ((uint64_t)(state) | (uint64_t)(dev) << 3 | (uint64_t)(freed) << 11 | (uint64_t)(freers) << 12 | (uint64_t)(gen) << 32)
-
-typedef struct ms_pslot {
-    uint64_t word;
-    uint64_t key;
-    uint64_t bytes;
-    uint64_t pad;
-} ms_pslot;
-
-static ms_pslot *ms_ptab;
+/* ---- Device pointers: the lock-free table (its layout and fast paths: track_fast.h) ---- */
+ms_pslot *ms_ptab;
 static int ms_ptab_failed;
 
 static ms_pslot *ms_ptab_get(int create) {
@@ -281,19 +250,15 @@ static ms_pslot *ms_ptab_get(int create) {
     return (ms_pslot *)m;
 }
 
-static int ms_cas(uint64_t *w, uint64_t *old, uint64_t new_word) {
-    return __atomic_compare_exchange_n(w, old, new_word, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-}
-
 int ms_track_add_ptr(uint64_t key, int dev, uint64_t bytes) {
     ms_pslot *t = dev >= 0 && dev <= 0xff ? ms_ptab_get(1) : NULL;
-    uint64_t h = ms_mix(MS_TRACK_PTR, key);
+    uint64_t h = ms_ptr_hash(key);
     for (uint32_t i = 0; t != NULL && i < MS_PTR_PROBES; i++) {
         ms_pslot *p = &t[(h + i) & (MS_PTR_SLOTS - 1)];
         uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
         while (P_STATE(w) == MS_P_EMPTY || P_STATE(w) == MS_P_TOMB) {
             uint32_t gen = P_GEN(w) + 1;
-            if (!ms_cas(&p->word, &w, P_WORD(MS_P_BUSY, 0, 0, 0, gen))) continue; /* w reloaded */
+            if (!ms_pcas(&p->word, &w, P_WORD(MS_P_BUSY, 0, 0, 0, gen))) continue; /* w reloaded */
             __atomic_store_n(&p->key, key, __ATOMIC_RELAXED);
             __atomic_store_n(&p->bytes, bytes, __ATOMIC_RELAXED);
             __atomic_store_n(&p->word, P_WORD(MS_P_FULL, dev, 0, 0, gen), __ATOMIC_RELEASE);
@@ -304,9 +269,9 @@ int ms_track_add_ptr(uint64_t key, int dev, uint64_t bytes) {
 }
 
 /* Lock-free free_begin; a ticket is (generation << 32 | slot << 1 | 1). */
-static int ms_ptr_free_begin(uint64_t key, uint64_t *ticket) {
+int ms_ptr_free_begin(uint64_t key, uint64_t *ticket) {
     ms_pslot *t = ms_ptab_get(0);
-    uint64_t h = ms_mix(MS_TRACK_PTR, key);
+    uint64_t h = ms_ptr_hash(key);
     while (t != NULL) {
         ms_pslot *join = NULL; /* the newest FREEING entry of the key seen, if there is no FULL one */
         uint64_t join_w = 0;
@@ -318,7 +283,7 @@ static int ms_ptr_free_begin(uint64_t key, uint64_t *ticket) {
             if (st == MS_P_EMPTY) break;
             if ((st != MS_P_FULL && st != MS_P_FREEING) || __atomic_load_n(&p->key, __ATOMIC_RELAXED) != key) continue;
             if (st == MS_P_FULL) {
-                if (!ms_cas(&p->word, &w, P_WORD(MS_P_FREEING, P_DEV(w), 0, 1, P_GEN(w)))) {
+                if (!ms_pcas(&p->word, &w, P_WORD(MS_P_FREEING, P_DEV(w), 0, 1, P_GEN(w)))) {
                     i--; /* changed under us: look at this slot again */
                     continue;
                 }
@@ -329,7 +294,7 @@ static int ms_ptr_free_begin(uint64_t key, uint64_t *ticket) {
         }
         if (join == NULL || P_FREERS(join_w) == 0xffff) break;
         uint64_t w = join_w;
-        if (ms_cas(&join->word, &w, join_w + ((uint64_t)1 << 12))) {
+        if (ms_pcas(&join->word, &w, join_w + ((uint64_t)1 << 12))) {
             *ticket = (uint64_t)P_GEN(join_w) << 32 | (uint64_t)(join - t) << 1 | 1;
             return 1;
         }
@@ -340,23 +305,6 @@ static int ms_ptr_free_begin(uint64_t key, uint64_t *ticket) {
         return 0;
     *ticket = (uint64_t)small << 1;
     return 1;
-}
-
-static int ms_ptr_free_end(uint64_t ticket, int freed, int *dev, uint64_t *bytes) {
-    ms_pslot *p = &ms_ptab_get(0)[(ticket >> 1) & 0x7fffffff];
-    uint64_t w = __atomic_load_n(&p->word, __ATOMIC_ACQUIRE);
-    for (;;) {
-        if (P_STATE(w) != MS_P_FREEING || P_GEN(w) != (uint32_t)(ticket >> 32)) return 0; /* not ours: a bug */
-        unsigned n = P_FREERS(w) - 1, fr = P_FREED(w) | (freed != 0);
-        uint64_t size = __atomic_load_n(&p->bytes, __ATOMIC_RELAXED); /* before the slot can be reused */
-        uint64_t next = n > 0 ? P_WORD(MS_P_FREEING, P_DEV(w), fr, n, P_GEN(w))
-                              : P_WORD(fr ? MS_P_TOMB : MS_P_FULL, P_DEV(w), 0, 0, P_GEN(w));
-        if (!ms_cas(&p->word, &w, next)) continue;
-        if (n > 0 || !fr) return 0;
-        if (dev) *dev = P_DEV(w);
-        if (bytes) *bytes = size;
-        return 1;
-    }
 }
 
 int ms_track_free_begin(int kind, uint64_t key, uint64_t *ticket) {

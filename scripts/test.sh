@@ -7,11 +7,12 @@ cd "$(dirname "$0")/.."
 # full-disk tests mount (a tmpfs, ext4 on a loop device) and unshare with, the real
 # containers of tests/container.py (podman, runc, a static busybox for the image),
 # Prometheus (promtool for the alerting rules' tests, the server for the live dashboard test),
-# openssl for the stand-in API server's TLS certificate (tests/dra) and cppcheck, the static
-# analyser the C code must pass (tests/core/test_static_analysis.py).
+# openssl for the stand-in API server's TLS certificate (tests/dra), cppcheck, the static
+# analyser the C code must pass (tests/core/test_static_analysis.py), and valgrind, whose callgrind
+# counts the shim's instructions (benchmarks/shim_instructions.py, tests/shim/test_instructions.py).
 export PATH="$PATH:/usr/sbin:/sbin"
 need=()
-for pair in cc:gcc make:make dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux \
+for pair in cc:gcc make:make valgrind:valgrind dpkg-deb:dpkg mount:mount mkfs.ext4:e2fsprogs unshare:util-linux \
         podman:podman runc:runc promtool:prometheus prometheus:prometheus openssl:openssl cppcheck:cppcheck; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done

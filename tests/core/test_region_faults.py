@@ -147,3 +147,27 @@ def test_without_the_variable_the_fault_build_behaves(start, tmp_path: Path) -> 
     p = start("_fault")
     assert p.ask(f"open {tmp_path / 'r'}") == "ok" and p.ask("charge 0 10 10") == "ok 10"
     assert p.ask("uncharge 0 10") == "left 0" and p.ask("close") == "ok"
+
+
+SLOT_SIZE, LANE_PKIND = 128 + 16 * (128 + 8 * 64), 128 + 8  # region.h: ms_slot, lane 0's pkind
+OFF_SLOTS, OP_REPAIR = 128 + 136 * 64, 2
+
+
+def test_a_slot_repaired_and_claimed_again_has_its_new_owners_charges_repaired_as_charges(
+    start, tmp_path: Path
+) -> None:
+    """A repair announces its give-back on the dead slot's lane 0 (kind MS_OP_REPAIR) and leaves
+    it there. The next process to claim the slot charges on that lane without writing the kind
+    on every charge (region_fast.h): taking the lane resets it, or its own operation killed in
+    flight would be resolved as a repair (every share zeroed, nothing given back)."""
+    path = tmp_path / "region"
+    survivor = with_survivor(start, path)  # slot 0
+    dead_with_an_operation_in_flight(start, path)  # slot 1
+    assert survivor.ask("reclaim") == "1"
+    with path.open("rb") as f:
+        f.seek(OFF_SLOTS + SLOT_SIZE + LANE_PKIND)
+        assert int.from_bytes(f.read(4), "little") == OP_REPAIR  # what the repair left on slot 1
+    again = start("_fault", "charge.applied:2")  # claims slot 1, the first free one
+    assert again.ask(f"open {path}") == "ok" and again.ask(f"charge 0 {CAP} 200") == "ok 300"
+    dies_of_sigkill(again, f"charge 0 {CAP} 300")
+    survivor_sees_exactly_its_own(survivor, path)
