@@ -102,7 +102,7 @@ def test_setting_limits_needs_root(fake_nvml_lib):
         (shared / "limits").write_text("")
         os.chmod(shared / "limits", 0o666)
         (shared / "cg").mkdir()
-        code = ("import sys, pynvml; sys.path.insert(0, %r); from mpsd import inventory as i; i.use_library(%r); "
+        code = ("import sys, pynvml; sys.path.insert(0, %r); from mpsd.inventory import nvml as i; i.use_library(%r); "
                 "pynvml.nvmlInit(); print(i.memory_limits(0, %r)); i.set_memory_limits(0, %r, 1, 2)")
         cg = str(shared / "cg")
         proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
