@@ -73,6 +73,11 @@ build containerd "$CONTAINERD_VERSION" "$ctrd" \
     -tags no_btrfs,no_devmapper,no_zfs github.com/containerd/containerd/v2/cmd/containerd \
     github.com/containerd/containerd/v2/cmd/ctr github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
 
+# NVIDIA's runtime in CDI mode, as the node's GPU needs it (cdi-runtime/main.go), with containerd's CDI library
+rt=$(sha256sum "$here/cdi-runtime/main.go" | cut -c1-12)
+mkdir -p "$ctrd/nvidia-cdi-runtime" && cp "$here/cdi-runtime/main.go" "$ctrd/nvidia-cdi-runtime/main.go"
+build nvidia-cdi-runtime "$rt" "$ctrd" "" ./nvidia-cdi-runtime
+
 cni=$cache/src/cni-$CNI_VERSION
 module "$cni" "github.com/containernetworking/plugins@$CNI_VERSION"
 build cni "$CNI_VERSION" "$cni" "" github.com/containernetworking/plugins/plugins/main/bridge \

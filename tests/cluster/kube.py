@@ -1,0 +1,109 @@
+"""The real one-node cluster of scripts/cluster.sh, as the tests in tests/cluster drive it.
+
+``Kube`` runs the cluster's kubectl (built with it) against its admin kubeconfig; every wait polls
+a condition with a bound and fails with what was last seen. Objects are dicts, applied as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parent.parent.parent
+CLUSTER = REPO / "scripts" / "cluster.sh"
+T = TypeVar("T")
+
+
+def cluster_env() -> dict[str, str] | None:
+    """KUBECONFIG and CONTAINERD_ADDRESS of a cluster that is up, or None."""
+    path = Path(os.environ.get("MPSD_CLUSTER_DIR", "/var/lib/mpsd-cluster")) / "env"
+    if not path.is_file():
+        return None
+    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True, timeout=60)
+    if "kube-apiserver" not in status.stdout or "kubelet" not in status.stdout:
+        return None
+    env = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value
+    return env
+
+
+def kubectl_path(cluster_dir: Path) -> str:
+    for line in (cluster_dir / "components").read_text().splitlines():
+        name, path = line.split()
+        if name == "kubernetes":
+            return str(Path(path) / "kubectl")
+    raise RuntimeError(f"no kubernetes in {cluster_dir / 'components'}")
+
+
+class Kube:
+    def __init__(self, kubeconfig: str, kubectl: str) -> None:
+        self.kubeconfig = kubeconfig
+        self.kubectl_bin = kubectl
+
+    def run(self, *args: str, stdin: str | None = None, timeout: float = 120,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([self.kubectl_bin, "--kubeconfig", self.kubeconfig, *args], input=stdin,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
+        return proc
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.run("get", "-o", "json", *args).stdout)
+
+    def apply(self, *objects: dict) -> None:
+        self.run("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+
+    def delete(self, *args: str, wait: bool = True) -> None:
+        self.run("delete", "--ignore-not-found", f"--wait={str(wait).lower()}", "--timeout=180s", *args, timeout=240)
+
+    def logs(self, pod: str, namespace: str) -> str:
+        return self.run("logs", "-n", namespace, pod, check=False).stdout
+
+    def exec(self, pod: str, namespace: str, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return self.run("exec", "-n", namespace, pod, "--", *argv, check=False, timeout=timeout)
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 180, interval: float = 1.0) -> T:
+    """Poll ``probe`` until it returns something other than None or False; fail naming ``what``."""
+    end = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            last = exc
+        else:
+            if last is not None and last is not False:
+                return last
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not seen within {timeout:.0f}s (last: {last!r})")
+        time.sleep(interval)
+
+
+def pod_phase(kube: Kube, name: str, namespace: str) -> str:
+    return kube.get("pod", "-n", namespace, name)["status"].get("phase", "")
+
+
+def running(kube: Kube, name: str, namespace: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        phase = pod_phase(kube, name, namespace)
+        if phase in ("Failed", "Succeeded"):
+            raise RuntimeError(f"pod {name} ended ({phase}): {kube.logs(name, namespace)}")
+        return phase == "Running"
+    return probe
+
+
+def holding(kube: Kube, pod: str, namespace: str, timeout: float = 180) -> str:
+    """The log of a demo_client.py pod once it says it holds its allocation."""
+    def probe() -> str | None:
+        text = kube.logs(pod, namespace)
+        return text if "holding" in text else None
+    return wait_for(f"pod {pod} holding", probe, timeout=timeout)
