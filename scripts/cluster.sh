@@ -94,13 +94,25 @@ pause_image() {
             --layer "$p.tmp/layer.tar" --entrypoint /pause >/dev/null
         rm -rf "$p" && mv "$p.tmp" "$p"
     fi
-    ctr --address "$CONTAINERD_SOCK" -n k8s.io images import "$p/pause.oci.tar" >/dev/null
+    ctr --address "$CONTAINERD_SOCK" -n k8s.io images import "$p/pause.oci.tar" >/dev/null 2>&1 \
+        || die "ctr images import $p/pause.oci.tar failed"
 }
 
 make_network() {
     ip link show "$BRIDGE" >/dev/null 2>&1 || { ip link add "$BRIDGE" type bridge && touch "$dir/made-bridge"; }
     ip addr show dev "$BRIDGE" | grep -q " $NODE_IP/" || ip addr add "$NODE_IP/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
+}
+
+# shared_mount PATH: PATH on a shared mount, as Bidirectional mount propagation needs (the chart's
+# tmpfs init containers mount into stateDir); systemd makes / shared, a bare host leaves it private:
+# then PATH is bound onto itself and that mount made shared (down unmounts it).
+shared_mount() {
+    mkdir -p "$1"
+    local opts
+    opts=$(findmnt -n -o PROPAGATION --target "$1")
+    case $opts in shared*) return 0 ;; esac
+    mount --bind "$1" "$1" && mount --make-shared "$1" || die "cannot make $1 a shared mount (Bidirectional propagation needs one)"
 }
 
 kubectl_() { kubectl --kubeconfig "$dir/admin.kubeconfig" "$@"; }
@@ -117,7 +129,8 @@ install() {
         helm_ uninstall mpsd -n mpsd-system --wait --timeout 5m >"$dir/logs/helm-uninstall.log" 2>&1 \
             || die "helm uninstall failed: $(tail -n 1 "$dir/logs/helm-uninstall.log")"
     fi
-    "$REPO/scripts/image.sh" --load containerd --containerd-address "$CONTAINERD_SOCK" >/dev/null
+    "$REPO/scripts/image.sh" --load containerd --containerd-address "$CONTAINERD_SOCK" >"$dir/logs/image.log" 2>&1 \
+        || die "scripts/image.sh failed: $(tail -n 1 "$dir/logs/image.log") (log: $dir/logs/image.log)"
     install_mpsd
     cat "$dir/env"
 }
@@ -132,6 +145,12 @@ install_mpsd() {
     fi
     helm_ "${args[@]}" >"$dir/logs/helm-install.log" 2>&1 \
         || die "helm install failed: $(tail -n 1 "$dir/logs/helm-install.log") (log: $dir/logs/helm-install.log)"
+    # helm's --wait can return before the DaemonSets' pods exist (seen with helm v4.3.1): wait for them
+    local ds
+    for ds in mpsd mpsd-holder; do
+        kubectl_ -n mpsd-system rollout status "ds/$ds" --timeout 300s >/dev/null \
+            || die "mpsd-system/$ds not ready after 300s (kubectl -n mpsd-system describe ds/$ds)"
+    done
     if [ "$mode" = dra ]; then
         wait_for "mpsd's ResourceSlice" 120 sh -c "kubectl --kubeconfig '$dir/admin.kubeconfig' get resourceslices -o name | grep -q ."
     else
@@ -147,9 +166,10 @@ up() {
     [ -e "$NVIDIA_CDI_SPEC" ] && ! [ -f "$dir/made-cdi-spec" ] \
         && die "$NVIDIA_CDI_SPEC exists and is not this cluster's: a real NVIDIA CDI spec? (the fake GPU would replace it)"
     [ -f "$dir/ip_forward" ] || cat /proc/sys/net/ipv4/ip_forward >"$dir/ip_forward" # the bridge plugin turns it on
-    for p in /var/lib/mpsd /run/mpsd-pipe /var/log/nvidia-mps; do # mpsd's host paths (the chart's)
+    for p in /var/lib/mpsd /var/lib/mpsd/regions /var/lib/mpsd/shm /var/lib/mpsd/lib /run/mpsd-pipe /var/log/nvidia-mps /var/lib/cni; do # the chart's host paths, the CNI cache
         [ -e "$p" ] || echo "$p" >>"$dir/made-host-paths"
     done
+    shared_mount /var/lib/mpsd
     if [ ! -d /var/lib/kubelet ]; then mkdir -p /var/lib/kubelet && touch "$dir/made-kubelet-dir"; fi
     [ -f "$dir/made-kubelet-dir" ] || die "/var/lib/kubelet exists and is not this cluster's: is another kubelet on this machine?"
     ports_free 2379 2380 6443 10250 10248 10257 10259 10249 10256
@@ -163,7 +183,8 @@ up() {
     start_proc containerd containerd --config "$dir/containerd/config.toml"
     wait_for containerd 60 ctr --address "$CONTAINERD_SOCK" version
     pause_image
-    "$REPO/scripts/image.sh" --load containerd --containerd-address "$CONTAINERD_SOCK" >/dev/null
+    "$REPO/scripts/image.sh" --load containerd --containerd-address "$CONTAINERD_SOCK" >"$dir/logs/image.log" 2>&1 \
+        || die "scripts/image.sh failed: $(tail -n 1 "$dir/logs/image.log") (log: $dir/logs/image.log)"
     start_control_plane
     start_proc kubelet kubelet --config "$dir/kubelet/config.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
         --hostname-override "$NODE_NAME" --node-ip "$NODE_IP"

@@ -2,8 +2,18 @@
 # with CDI and runc (through nvidia-cdi-runtime), the CNI network, the kubelet, kube-proxy, and
 # the fake GPU: what NVIDIA's toolkit would leave on a GPU node, with tests/fakes' libraries.
 
+# Without CAP_SYS_RESOURCE (a sandboxed machine, as the project's are) no process may lower its
+# oom_score_adj, and runc fails every pod sandbox (containerd asks -998): containerd is then told to
+# keep every score at or above its own (restrict_oom_score_adj, as kind does in a container).
+no_sys_resource() {
+    local eff
+    eff=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
+    (( (16#$eff >> 24 & 1) == 0 ))
+}
+
 write_containerd_config() {
-    local c=$dir/containerd
+    local c=$dir/containerd restrict=false
+    no_sys_resource && restrict=true
     mkdir -p "$c/root" "$c/state"
     cat >"$c/config.toml" <<EOF_
 version = 3
@@ -20,6 +30,7 @@ state = "$c/state"
 
 [plugins."io.containerd.cri.v1.runtime"]
   enable_cdi = true
+  restrict_oom_score_adj = $restrict
   cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
   netns_mounts_under_state_dir = true
   [plugins."io.containerd.cri.v1.runtime".containerd]

@@ -61,7 +61,7 @@ start_control_plane() {
         --secure-port 6443 --etcd-servers http://127.0.0.1:2379 --service-cluster-ip-range "$SERVICE_CIDR" \
         --client-ca-file "$pki/ca.crt" --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
         --kubelet-client-certificate "$pki/apiserver-kubelet.crt" --kubelet-client-key "$pki/apiserver-kubelet.key" \
-        --kubelet-certificate-authority "$pki/ca.crt" \
+        --kubelet-certificate-authority "$pki/ca.crt" --kubelet-preferred-address-types InternalIP \
         --service-account-issuer https://kubernetes.default.svc.cluster.local \
         --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
         --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction --allow-privileged \
@@ -139,13 +139,13 @@ down() {
     [ -f "$dir/made-bridge" ] && ip link del "$BRIDGE" 2>/dev/null
     [ -f "$dir/made-cdi-spec" ] && rm -f "$NVIDIA_CDI_SPEC"
     rm -f /var/run/cdi/mpsd.io-* # mpsd's claim specs, if its pods could not remove them
-    for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+    for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/k8s.io; do
         [ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} + 2>/dev/null
     done
     [ -f "$dir/made-kubelet-dir" ] && rm -rf /var/lib/kubelet
     if [ -f "$dir/made-host-paths" ]; then
         while read -r p; do
-            case $p in /var/lib/mpsd|/run/mpsd-pipe|/var/log/nvidia-mps) rm -rf "$p" ;; esac
+            case $p in /var/lib/mpsd|/var/lib/mpsd/*|/run/mpsd-pipe|/var/log/nvidia-mps|/var/lib/cni) rm -rf "$p" ;; esac
         done <"$dir/made-host-paths"
     fi
     [ -f "$dir/ip_forward" ] && cat "$dir/ip_forward" >/proc/sys/net/ipv4/ip_forward
