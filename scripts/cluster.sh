@@ -115,6 +115,14 @@ shared_mount() {
     mount --bind "$1" "$1" && mount --make-shared "$1" || die "cannot make $1 a shared mount (Bidirectional propagation needs one)"
 }
 
+# ds_ready NAME: the DaemonSet has pods, all updated and ready (rollout status refuses OnDelete)
+ds_ready() {
+    local s
+    s=$(kubectl_ -n mpsd-system get ds "$1" -o jsonpath='{.status.desiredNumberScheduled} {.status.updatedNumberScheduled} {.status.numberReady}')
+    read -r want updated ready <<<"$s"
+    [ "${want:-0}" -gt 0 ] && [ "$updated" = "$want" ] && [ "$ready" = "$want" ]
+}
+
 kubectl_() { kubectl --kubeconfig "$dir/admin.kubeconfig" "$@"; }
 
 helm_() { KUBECONFIG=$dir/admin.kubeconfig "$(cd "$REPO" && python3 -m tests.kubetools "$cache/kubetools")/helm" "$@"; }
@@ -148,8 +156,7 @@ install_mpsd() {
     # helm's --wait can return before the DaemonSets' pods exist (seen with helm v4.3.1): wait for them
     local ds
     for ds in mpsd mpsd-holder; do
-        kubectl_ -n mpsd-system rollout status "ds/$ds" --timeout 300s >/dev/null \
-            || die "mpsd-system/$ds not ready after 300s (kubectl -n mpsd-system describe ds/$ds)"
+        wait_for "mpsd-system/$ds ready" 300 ds_ready "$ds"
     done
     if [ "$mode" = dra ]; then
         wait_for "mpsd's ResourceSlice" 120 sh -c "kubectl --kubeconfig '$dir/admin.kubeconfig' get resourceslices -o name | grep -q ."

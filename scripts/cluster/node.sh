@@ -125,11 +125,17 @@ write_fake_gpu() {
     [ -x "$control" ] || { echo "cluster.sh: cannot fetch nvidia-cuda-mps-control (python3 -m tests.mpsbin)" >&2; return 1; }
     local server=${control%/bin/nvidia-cuda-mps-control}/sbin/nvidia-cuda-mps-server # the package's layout
     [ -x "$server" ] || { echo "cluster.sh: no nvidia-cuda-mps-server at $server" >&2; return 1; }
-    mkdir -p "$g/bin" "$g/dev"
+    mkdir -p "$g/bin"
     cp "$control" "$server" "$g/bin/"
-    # device nodes as the driver's, here with /dev/null's numbers: the runtime creates and allows them
+    # The driver's device nodes, on the host as on a GPU node (mpsd's claim specs name them by
+    # their host path), here with /dev/null's numbers; down removes those up made.
     for node in nvidia0 nvidiactl nvidia-uvm; do
-        [ -c "$g/dev/$node" ] || mknod -m 666 "$g/dev/$node" c 1 3
+        if [ ! -e "/dev/$node" ]; then
+            mknod -m 666 "/dev/$node" c 1 3 && echo "/dev/$node" >>"$dir/made-dev-nodes"
+        elif ! grep -qx "/dev/$node" "$dir/made-dev-nodes" 2>/dev/null; then
+            echo "cluster.sh: /dev/$node exists: an NVIDIA driver is here, and the fake GPU would hide it" >&2
+            return 1
+        fi
     done
     printf 'gpu 0 %s %d 0 9 0 0 Simulated GPU\n' "$GPU_UUID" $((16 << 30)) >"$g/nvml.conf"
     local lib=/usr/lib/x86_64-linux-gnu
@@ -139,15 +145,15 @@ cdiVersion: 0.6.0
 kind: nvidia.com/gpu
 devices:
   - name: "0"
-    containerEdits: {deviceNodes: [{path: /dev/nvidia0, hostPath: $g/dev/nvidia0}]}
+    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
   - name: $GPU_UUID
-    containerEdits: {deviceNodes: [{path: /dev/nvidia0, hostPath: $g/dev/nvidia0}]}
+    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
   - name: all
-    containerEdits: {deviceNodes: [{path: /dev/nvidia0, hostPath: $g/dev/nvidia0}]}
+    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
 containerEdits:
   deviceNodes:
-    - {path: /dev/nvidiactl, hostPath: $g/dev/nvidiactl}
-    - {path: /dev/nvidia-uvm, hostPath: $g/dev/nvidia-uvm}
+    - {path: /dev/nvidiactl}
+    - {path: /dev/nvidia-uvm}
   env:
     - FAKE_NVML_CONFIG=/etc/fake-gpu/nvml.conf
     - FAKE_CUDA_DEVICES=16G

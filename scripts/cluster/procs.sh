@@ -138,6 +138,11 @@ down() {
     done < <(mounts_under "${points[@]}")
     [ -f "$dir/made-bridge" ] && ip link del "$BRIDGE" 2>/dev/null
     [ -f "$dir/made-cdi-spec" ] && rm -f "$NVIDIA_CDI_SPEC"
+    if [ -f "$dir/made-dev-nodes" ]; then # the fake GPU's nodes: only character devices 1:3 up made
+        while read -r node; do
+            [ "$(stat -c '%F %t:%T' "$node" 2>/dev/null)" = "character special file 1:3" ] && rm -f "$node"
+        done <"$dir/made-dev-nodes"
+    fi
     rm -f /var/run/cdi/mpsd.io-* # mpsd's claim specs, if its pods could not remove them
     for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/k8s.io; do
         [ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} + 2>/dev/null

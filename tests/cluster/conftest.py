@@ -84,14 +84,20 @@ def image() -> str:
     raise AssertionError("no appVersion in Chart.yaml")
 
 
-def client_pod(name: str, namespace: str, allocate: str, *, limits: dict | None = None,
-               claims: list[dict] | None = None, host_ipc: bool = False) -> dict:
-    """A pod running scripts/demo_client.py NAME --allocate SIZE --hold in the mpsd image."""
-    container: dict = {
-        "name": "client", "image": image(), "imagePullPolicy": "Never",
+def client_container(name: str, allocate: str) -> dict:
+    """A container running scripts/demo_client.py NAME --allocate SIZE --hold in the mpsd image."""
+    return {
+        "name": name, "image": image(), "imagePullPolicy": "Never",
         "command": ["python3", "/client/demo_client.py", name, "--allocate", allocate, "--hold"],
         "volumeMounts": [{"name": "client", "mountPath": "/client"}],
     }
+
+
+def client_pod(name: str, namespace: str, allocate: str, *, limits: dict | None = None,
+               claims: list[dict] | None = None, host_ipc: bool = False) -> dict:
+    """A pod of one client_container ("client") and the ConfigMap it reads."""
+    container = client_container(name, allocate)
+    container["name"] = "client"
     spec: dict = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5, "hostIPC": host_ipc,
                   "containers": [container], "volumes": [{"name": "client", "configMap": {"name": "client"}}]}
     if limits:

@@ -64,8 +64,8 @@ class Kube:
     def delete(self, *args: str, wait: bool = True) -> None:
         self.run("delete", "--ignore-not-found", f"--wait={str(wait).lower()}", "--timeout=180s", *args, timeout=240)
 
-    def logs(self, pod: str, namespace: str) -> str:
-        return self.run("logs", "-n", namespace, pod, check=False).stdout
+    def logs(self, pod: str, namespace: str, container: str | None = None) -> str:
+        return self.run("logs", "-n", namespace, pod, *(["-c", container] if container else []), check=False).stdout
 
     def exec(self, pod: str, namespace: str, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return self.run("exec", "-n", namespace, pod, "--", *argv, check=False, timeout=timeout)
@@ -88,22 +88,36 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 180, int
         time.sleep(interval)
 
 
-def pod_phase(kube: Kube, name: str, namespace: str) -> str:
-    return kube.get("pod", "-n", namespace, name)["status"].get("phase", "")
+def pod_state(pod: dict) -> str:
+    """Phase, unmet conditions and waiting containers' reasons of a pod: what a wait reports."""
+    status = pod.get("status", {})
+    parts = [status.get("phase", "?")]
+    parts += [f"{c['type']}={c['status']} {c.get('reason', '')} {c.get('message', '')}".strip()
+              for c in status.get("conditions", []) if c["status"] != "True"]
+    for c in status.get("initContainerStatuses", []) + status.get("containerStatuses", []):
+        waiting = c.get("state", {}).get("waiting")
+        if waiting:
+            parts.append(f"{c['name']}: {waiting.get('reason', '')} {waiting.get('message', '')}".strip())
+    return "; ".join(parts)
 
 
 def running(kube: Kube, name: str, namespace: str) -> Callable[[], bool]:
     def probe() -> bool:
-        phase = pod_phase(kube, name, namespace)
+        pod = kube.get("pod", "-n", namespace, name)
+        phase = pod["status"].get("phase", "")
         if phase in ("Failed", "Succeeded"):
             raise RuntimeError(f"pod {name} ended ({phase}): {kube.logs(name, namespace)}")
-        return phase == "Running"
+        if phase != "Running":
+            raise AssertionError(pod_state(pod))
+        return True
     return probe
 
 
-def holding(kube: Kube, pod: str, namespace: str, timeout: float = 180) -> str:
-    """The log of a demo_client.py pod once it says it holds its allocation."""
+def holding(kube: Kube, pod: str, namespace: str, timeout: float = 180, container: str | None = None) -> str:
+    """The log of a demo_client.py container once it says it holds its allocation."""
     def probe() -> str | None:
-        text = kube.logs(pod, namespace)
-        return text if "holding" in text else None
+        text = kube.logs(pod, namespace, container)
+        if "holding" in text:
+            return text
+        raise AssertionError(text)
     return wait_for(f"pod {pod} holding", probe, timeout=timeout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import os
 
-from tests.cluster.conftest import client_pod
+from tests.cluster.conftest import client_container, client_pod
 from tests.cluster.kube import Kube, holding, running, wait_for
 from tests.cluster.test_device_plugin import mem_total
 
@@ -74,16 +74,24 @@ def test_claim_too_large_stays_pending(dra: Kube, ns: str) -> None:
 
 
 def test_two_requests_and_first_available_subrequest(dra: Kube, ns: str) -> None:
+    """One claim, two requests, each named by one container (a container may name one request of
+    one mpsd claim, docs/dra.md); the first request's 64Gi subrequest cannot be had, its 2Gi one can."""
     kube = dra
     first = {"name": "gpu", "firstAvailable": [
         {"name": "big", "deviceClassName": DRIVER, "capacity": {"requests": {"memory": "64Gi"}}},
         {"name": "small", "deviceClassName": DRIVER, "capacity": {"requests": {"memory": "2Gi"}}}]}
     kube.apply(claim("two", ns, first, exactly("extra", "1Gi")))
-    kube.apply(client_pod("c", ns, "512M", claims=[{"name": "gpu", "resourceClaimName": "two"}]))
+    pod = client_pod("c", ns, "512M", claims=[{"name": "two", "resourceClaimName": "two"}])
+    main, extra = pod["spec"]["containers"][0], client_container("extra", "512M")
+    main["resources"] = {"claims": [{"name": "two", "request": "gpu"}]}
+    extra["resources"] = {"claims": [{"name": "two", "request": "extra"}]}
+    pod["spec"]["containers"].append(extra)
+    kube.apply(pod)
     wait_for("pod c Running", running(kube, "c", ns), timeout=240)
     results = kube.get("resourceclaim", "-n", ns, "two")["status"]["allocation"]["devices"]["results"]
     assert sorted(r["request"] for r in results) == ["extra", "gpu/small"], results
-    holding(kube, "c", ns)
+    assert abs(mem_total(holding(kube, "c", ns)) - 2.0) < 0.02
+    assert abs(mem_total(holding(kube, "c", ns, container="extra")) - 1.0) < 0.02
 
 
 def test_deleting_pod_and_claim_unprepares(dra: Kube, ns: str) -> None:
