@@ -34,12 +34,17 @@ def cluster_env() -> dict[str, str] | None:
     return env
 
 
-def kubectl_path(cluster_dir: Path) -> str:
+def component(cluster_dir: Path, want: str) -> Path:
+    """Where a built component's binaries are (the cluster's $dir/components, written by up)."""
     for line in (cluster_dir / "components").read_text().splitlines():
         name, path = line.split()
-        if name == "kubernetes":
-            return str(Path(path) / "kubectl")
-    raise RuntimeError(f"no kubernetes in {cluster_dir / 'components'}")
+        if name == want:
+            return Path(path)
+    raise RuntimeError(f"no {want} in {cluster_dir / 'components'}")
+
+
+def kubectl_path(cluster_dir: Path) -> str:
+    return str(component(cluster_dir, "kubernetes") / "kubectl")
 
 
 class Kube:
