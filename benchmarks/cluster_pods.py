@@ -5,8 +5,8 @@
 
 Each round creates a claim (memory 512Mi, compute 2: 20 fit the 16 GiB fake GPU) and a pod
 naming it (the mpsd image running `sleep`), and times from the pod's create call until kubectl
-sees it Running (polled every 0.1 s; scheduling, allocation, NodePrepareResources, sandbox, CDI and container start). Pods are made one
-after another and deleted at the end. The kubelet's histogram
+sees it Running (polled every 0.1 s; scheduling, allocation, NodePrepareResources, sandbox, CDI
+and container start). Pods are made one after another and deleted at the end. The kubelet's histogram
 dra_operations_duration_seconds{operation_name="PrepareResources"} is read from its /metrics
 (through the API server's node proxy) before and after: the mean of this run's calls is printed.
 """
@@ -77,7 +77,8 @@ def main() -> int:
         kube.delete("namespace", ns)
     times.sort()
     p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
-    print(f"pods {len(times)}: create->Running p50 {statistics.median(times):.2f} s, p99 {p99:.2f} s, max {times[-1]:.2f} s")
+    print(f"pods {len(times)}: create->Running p50 {statistics.median(times):.2f} s, p99 {p99:.2f} s, "
+          f"max {times[-1]:.2f} s")
     calls = after[1] - before[1]
     if calls:
         print(f"kubelet PrepareResources: {calls:.0f} calls, mean {1000 * (after[0] - before[0]) / calls:.1f} ms")
