@@ -106,6 +106,23 @@ for point in sorted(points, key=lambda p: (-p.count("/"), p)):
 PY
 }
 
+# The kubelet's own iptables chains (kube-proxy --cleanup leaves them): KUBE-FIREWALL and
+# KUBE-KUBELET-CANARY, and the jumps to KUBE-FIREWALL.
+kubelet_chains_cleanup() {
+    local ipt table chain
+    for ipt in iptables ip6tables; do
+        command -v "$ipt" >/dev/null || continue
+        for hook in INPUT OUTPUT; do
+            while "$ipt" -D "$hook" -j KUBE-FIREWALL 2>/dev/null; do :; done
+        done
+        for table in filter nat mangle; do
+            for chain in KUBE-FIREWALL KUBE-KUBELET-CANARY; do
+                "$ipt" -t "$table" -F "$chain" 2>/dev/null && "$ipt" -t "$table" -X "$chain" 2>/dev/null || true
+            done
+        done
+    done
+}
+
 down() {
     [ "$(id -u)" = 0 ] || die "must run as root"
     [ -d "$dir" ] || { say "nothing to do: no $dir"; return 0; }
@@ -130,6 +147,7 @@ down() {
     local kp
     kp=$(awk '$1 == "kubernetes" {print $2 "/kube-proxy"}' "$dir/components" 2>/dev/null || true)
     [ -x "$kp" ] && "$kp" --cleanup >/dev/null 2>&1 || true
+    kubelet_chains_cleanup
     local points=("$dir")
     [ -f "$dir/made-kubelet-dir" ] && points+=(/var/lib/kubelet)
     points+=(/var/lib/mpsd)
