@@ -134,8 +134,13 @@ install() {
     local current
     current=$(helm_ get values mpsd -n mpsd-system -a -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("mode",""))' 2>/dev/null || true)
     if [ -n "$current" ] && [ "$current" != "$( [ "$mode" = dra ] && echo dra || echo devicePlugin)" ]; then
+        # another mode is another holder (ipcMode, tmpfs): uninstalled as docs/operations.md says,
+        # the kept holder deleted on purpose (no tenant runs here between the tiers' modules)
         helm_ uninstall mpsd -n mpsd-system --wait --timeout 5m >"$dir/logs/helm-uninstall.log" 2>&1 \
             || die "helm uninstall failed: $(tail -n 1 "$dir/logs/helm-uninstall.log")"
+        kubectl_ -n mpsd-system delete daemonset/mpsd-holder \
+            serviceaccount/mpsd-holder --ignore-not-found --wait --timeout 5m >>"$dir/logs/helm-uninstall.log" 2>&1 \
+            || die "deleting the kept holder failed: $(tail -n 1 "$dir/logs/helm-uninstall.log")"
     fi
     "$REPO/scripts/image.sh" --load containerd --containerd-address "$CONTAINERD_SOCK" >"$dir/logs/image.log" 2>&1 \
         || die "scripts/image.sh failed: $(tail -n 1 "$dir/logs/image.log") (log: $dir/logs/image.log)"
