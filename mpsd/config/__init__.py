@@ -50,6 +50,7 @@ class DraConfig:
     plugins_dir: str = "/var/lib/kubelet/plugins"
     registry_dir: str = "/var/lib/kubelet/plugins_registry"
     cdi_dir: str = "/var/run/cdi"
+    dev_root: str = "/"
     taint_after: float = 30.0
     taint_effect: str = "NoSchedule"
 

@@ -69,6 +69,13 @@ def _path(value: Any) -> str:
     return value
 
 
+@_accepts(type="string", pattern="^/")
+def _abs_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError("an absolute path")
+    return value
+
+
 # The daemon's sockets (PIPE/control_privileged) must fit a unix socket address: 535 starts with
 # an 87-byte pipe dir and fails with 88 (seen on the real binary), leaving nothing to connect to.
 MAX_PIPE_DIR_BYTES = 87
@@ -457,6 +464,9 @@ SETTINGS: tuple[Setting, ...] = (
             "kubelet plugin registration directory: <driverName>-reg.sock"),
     Setting("dra.cdiDir", "dra-cdi-dir", _path, "/var/run/cdi",
             "CDI spec directory the container runtime reads (a real directory, not a symlink)"),
+    Setting("dra.devRoot", "dra-dev-root", _abs_path, "/",
+            "host directory whose dev/ holds the driver's device nodes, for those no NVIDIA CDI spec names "
+            "(nvidia-ctk --dev-root; the GPU operator's driver container: /run/nvidia/driver)"),
     Setting("dra.taintAfter", "dra-taint-after", _duration, "30s",
             "a GPU unhealthy this long gets a taint on its devices in the node's ResourceSlices"),
     Setting("dra.taintEffect", "dra-taint-effect", _choice(("NoSchedule", "NoExecute", "none")), "NoSchedule",

@@ -1,10 +1,11 @@
 """CDI specs for prepared claims: one file per claim in cdiDir (``/var/run/cdi`` by default), kind
 ``mpsd.io/claim``, one device per request of the claim, named ``<uid>_<request>``. The container
 runtime (containerd, CRI-O, podman) reads the file when a container names the device
-``mpsd.io/claim=<uid>_<request>`` and applies its containerEdits: the request's GPUs, its limits
-and its own region file in the claim's directory. Claims prepared before requests had devices
-of their own have one device named ``<uid>`` (kept as written: a running container's restart
-names it again).
+``mpsd.io/claim=<uid>_<request>`` and applies its containerEdits: the request's GPUs, its
+limits, its own region file in the claim's directory, and the device nodes that NVIDIA's own
+devices handed beside it do not bring, at their host paths (``device_nodes``). Claims prepared
+before requests had devices of their own have one device named ``<uid>`` (kept as written: a
+running container's restart names it again).
 
 ``claim_spec`` is pure: a prepared claim and the host paths give the spec. ``CdiDir`` writes and
 removes the files: cdiDir must be a real directory (not a symlink) that mpsd can write; every
@@ -16,7 +17,7 @@ crash lost.
 
 cdiVersion 0.5.0: the newest version the CDI library in Debian 12's podman (4.3.1) reads;
 containerd and CRI-O read it as well. The spec uses only what 0.5.0 has (env, mounts,
-deviceNodes).
+deviceNodes, and their hostPath, which 0.5.0 introduced: the CDI spec's version table).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import re
 import secrets
 import stat
-from typing import Iterable
+from typing import Collection, Iterable, Mapping
 
 from ..errors import DraError
 from ..alloc.container import CONTAINER_REGION_DIR, HostPaths
@@ -81,13 +82,38 @@ def spec_file_name(uid: str) -> str:
     return f"{FILE_PREFIX}{check_uid(uid)}.json"
 
 
-def device_nodes(minor_numbers: Iterable[int], dev_dir: str = "/dev") -> list[str]:
-    """The NVIDIA device nodes a client of these GPUs needs, as far as they exist on this host:
-    the control nodes and ``/dev/nvidia<minor>`` per GPU, named by the driver's minor number
-    (NVML's nvmlDeviceGetMinorNumber; not the NVML index, which differs from it when GPUs are
-    hidden or were hot-plugged)."""
-    names = [*CONTROL_NODES, *(f"nvidia{m}" for m in sorted(minor_numbers))]
-    return [os.path.join(dev_dir, n) for n in names if os.path.exists(os.path.join(dev_dir, n))]
+def node_names(minor_numbers: Iterable[int]) -> list[str]:
+    """The NVIDIA device nodes a client of these GPUs needs, relative to /dev: the control nodes
+    and ``nvidia<minor>`` per GPU, named by the driver's minor number (NVML's
+    nvmlDeviceGetMinorNumber; not the NVML index, which differs from it when GPUs are hidden or
+    were hot-plugged)."""
+    return [*CONTROL_NODES, *(f"nvidia{m}" for m in sorted(minor_numbers))]
+
+
+def device_nodes(
+    names: Iterable[str],
+    dev_dir: str = "/dev",
+    *,
+    brought: Collection[str] = (),
+    hosts: Mapping[str, str] | None = None,
+    dev_root: str = "/",
+) -> list[dict]:
+    """CDI deviceNodes for the nodes ``names`` (relative to /dev): each at ``/dev/<name>`` in the
+    container, left out where NVIDIA's devices handed beside mpsd's bring it already
+    (``brought``: their container paths) or where this host has no such node (mpsd sees none in
+    ``dev_dir`` and NVIDIA's specs name none). The runtime opens a node on the host, not in
+    mpsd's container: its ``hostPath`` is the one NVIDIA's specs give that path (``hosts``),
+    else ``<dev_root>/dev/<name>`` (nvidia-ctk's --dev-root; ``/`` where the driver's nodes are
+    in the host's /dev), written only where it differs from ``path``."""
+    hosts = hosts or {}
+    out = []
+    for name in names:
+        path = f"/dev/{name}"
+        if path in brought or (path not in hosts and not os.path.exists(os.path.join(dev_dir, name))):
+            continue
+        host = hosts.get(path) or os.path.join(dev_root, "dev", name)
+        out.append({"path": path} if host == path else {"path": path, "hostPath": host})
+    return out
 
 
 def claim_spec(
@@ -97,7 +123,7 @@ def claim_spec(
     region_dir: str,
     *,
     client_priority: int | None = None,
-    nodes: Iterable[str] = (),
+    nodes: Iterable[str | dict] = (),
     grant: Grant | None = None,
 ) -> dict:
     """The CDI spec of a claim with one device (``<uid>``) for all its containers."""
@@ -116,7 +142,7 @@ def device(
     region_dir: str,
     *,
     client_priority: int | None = None,
-    nodes: Iterable[str] = (),
+    nodes: Iterable[str | dict] = (),
     region: str = REGION,
     grant: Grant | None = None,
 ) -> dict:
@@ -136,7 +162,7 @@ def device(
         "env": [f"{k}={v}" for k, v in sorted(env.items())],
         "mounts": mounts,
     }
-    node_list = [{"path": n} for n in nodes]
+    node_list = [{"path": n} if isinstance(n, str) else dict(n) for n in nodes]  # as device_nodes gives them
     if node_list:
         edits["deviceNodes"] = node_list
     return {"name": name, "containerEdits": edits}

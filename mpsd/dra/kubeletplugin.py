@@ -61,7 +61,7 @@ from . import (
     pluginregistration_pb2_grpc,
 )
 from .claims import ClaimRef
-from .devices import parse_device_name
+from .nvidiacdi import gpu_index
 from .claimusage import ClaimUsageReader
 from .prepared import PreparedClaim, Preparer
 
@@ -110,7 +110,7 @@ def _devices(pb2, rec: PreparedClaim, nvidia: dict[int, str] | None = None) -> l
     for r in rec.results:
         ids = [] if r.request in seen else [cdi.device_id(rec.uid, r.request if rec.requests else None)]
         seen.add(r.request)
-        index = _gpu_index(r.device)
+        index = gpu_index(r.device)
         if nvidia and index in nvidia and (r.request, index) not in given:
             given.add((r.request, index))
             ids.append(nvidia[index])
@@ -120,13 +120,6 @@ def _devices(pb2, rec: PreparedClaim, nvidia: dict[int, str] | None = None) -> l
             device.share_id = r.share_id
         devices.append(device)
     return devices
-
-
-def _gpu_index(device: str) -> int | None:
-    try:
-        return parse_device_name(device)[0]
-    except ValueError:
-        return None
 
 
 class DraServicer:

@@ -29,7 +29,6 @@ profile with ``device.attributes["gpu.mpsd.io"].profile == "1g.10gb"``.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -152,15 +151,13 @@ def build(instances: Sequence[MigDevice], mode: str, driver_version: str = "") -
     return out
 
 
-def caps_nodes(devices: Sequence, uuids: Sequence[str], dev_dir: str = "/dev") -> list[str]:
+def caps_nodes(devices: Sequence, uuids: Sequence[str]) -> list[str]:
     """The /dev/nvidia-caps nodes of the MIG instances among ``uuids`` (their GPU instance's and
-    compute instance's access capabilities), as far as they exist on this host."""
+    compute instance's access capabilities), relative to /dev (mpsd/dra/cdi.py device_nodes keeps
+    those the host has)."""
     by_uuid = {d.uuid: d for d in devices if getattr(d, "mig", False)}
     nodes = []
     for uuid in uuids:
         device = by_uuid.get(uuid)
-        for minor in (device.caps_minors or ()) if device is not None else ():
-            path = os.path.join(dev_dir, "nvidia-caps", f"nvidia-cap{minor}")
-            if os.path.exists(path):
-                nodes.append(path)
+        nodes += [f"nvidia-caps/nvidia-cap{minor}" for minor in ((device.caps_minors or ()) if device else ())]
     return nodes

@@ -13,6 +13,15 @@ both. Where none exists, the node's runtime must inject the driver from NVIDIA_V
 (the nvidia runtime as default, or ``runtimeClassName: nvidia`` in the client pods; docs/dra.md):
 mpsd says so once per GPU.
 
+Device nodes: NVIDIA's devices bring the GPU's node (``/dev/nvidia<minor>``) and the spec's
+common edits the control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``...), each as ``path`` (in
+the container) and, where the driver's devices are not in the host's /dev (the GPU operator's
+driver container: ``/run/nvidia/driver/dev``; ``nvidia-ctk cdi generate --dev-root``),
+``hostPath`` (on the host, which is where the runtime opens it). ``SpecView`` keeps both: which
+container paths each device brings, and the host path of every node the specs name; mpsd's own
+spec of a claim names only the nodes NVIDIA's devices handed beside it do not bring, by those host
+paths (mpsd/dra/prepared.py).
+
 Spec files are read from the CDI directories (``/etc/cdi`` and ``/var/run/cdi``, the runtimes'
 defaults, passed in), each opened without following a link, regular files only, at most
 MAX_SPEC_BYTES, parsed again only when their size or modification time changed.
@@ -25,9 +34,12 @@ import logging
 import os
 import stat
 import threading
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
 
 import yaml
+
+from .devices import parse_device_name
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +61,101 @@ def device_for(names: set[str], uuid: str, index: int) -> str | None:
 
 def spec_devices(data: object) -> set[str]:
     """The device names of a parsed spec of kind nvidia.com/gpu; empty for any other."""
+    return set(spec_view(data).devices)
+
+
+@dataclass(frozen=True)
+class SpecView:
+    """What NVIDIA's specs say about device nodes: device name -> the container paths of the
+    nodes it brings (its own and its spec's common ones), and container path -> host path of
+    every node they name."""
+
+    devices: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    hosts: Mapping[str, str] = field(default_factory=dict)
+
+    def brought(self, ids: Iterable[str]) -> frozenset[str]:
+        """The container paths of the nodes the NVIDIA devices ``ids`` (``nvidia.com/gpu=<name>``) bring."""
+        prefix = f"{KIND}="
+        names = (i[len(prefix):] for i in ids if i.startswith(prefix))
+        return frozenset().union(*(self.devices.get(n, frozenset()) for n in names))
+
+
+def spec_view(data: object) -> SpecView:
+    """The devices and device nodes of a parsed spec of kind nvidia.com/gpu; empty for any other.
+    A node entry without an absolute ``path`` is left out; ``hostPath`` defaults to ``path``
+    (the CDI spec: the host path is the container path where it is not given)."""
     if not isinstance(data, dict) or data.get("kind") != KIND or not isinstance(data.get("devices"), list):
-        return set()
-    return {d["name"] for d in data["devices"] if isinstance(d, dict) and isinstance(d.get("name"), str)}
+        return SpecView()
+    hosts: dict[str, str] = {}
+    common = _nodes(data.get("containerEdits"), hosts)
+    devices = {d["name"]: frozenset(common | _nodes(d.get("containerEdits"), hosts))
+               for d in data["devices"] if isinstance(d, dict) and isinstance(d.get("name"), str)}
+    return SpecView(devices, hosts)
+
+
+def _nodes(edits: object, hosts: dict[str, str]) -> set[str]:
+    nodes = edits.get("deviceNodes") if isinstance(edits, dict) else None
+    paths = set()
+    for node in nodes if isinstance(nodes, list) else ():
+        path = node.get("path") if isinstance(node, dict) else None
+        if not isinstance(path, str) or not os.path.isabs(path):
+            continue
+        host = node.get("hostPath")
+        hosts.setdefault(path, host if isinstance(host, str) and os.path.isabs(host) else path)
+        paths.add(path)
+    return paths
+
+
+def brought_nodes(results: Sequence, request: str | None, ids: Mapping[int, str], view: SpecView) -> frozenset[str]:
+    """The container paths of the device nodes that every container given a claim's mpsd device
+    of ``request`` gets from NVIDIA's devices: the kubelet plugin answers NVIDIA's device of each
+    GPU of a request (``ids``, by GPU index) beside the request's own (kubeletplugin._devices); a
+    claim's one device (``request`` None, a record written before requests had their own) is
+    named by the containers of every request of ``results``, so only what all of them get counts."""
+    requests = sorted({r.request for r in results}) if request is None else [request]
+    indexes = {q: [gpu_index(r.device) for r in results if r.request == q] for q in requests}
+    brought = [view.brought(ids[i] for i in indexes[q] if i is not None and i in ids) for q in requests]
+    return frozenset.intersection(*brought) if brought else frozenset()
+
+
+def gpu_index(device: str) -> int | None:
+    """The GPU index of a device mpsd publishes (``gpu-<index>[-slice-<k>]``); None for others (MIG)."""
+    try:
+        return parse_device_name(device)[0]
+    except ValueError:
+        return None
 
 
 class NvidiaSpecs:
     def __init__(self, dirs: Sequence[str] = DEFAULT_DIRS) -> None:
         self.dirs = tuple(dirs)
-        self._files: dict[str, tuple[tuple[int, int], set[str]]] = {}  # path -> ((size, mtime), devices)
+        self._files: dict[str, tuple[tuple[int, int], SpecView]] = {}  # path -> ((size, mtime), its view)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     def names(self) -> set[str]:
         """Every nvidia.com/gpu device name in the directories now."""
-        with self._lock:
-            seen: dict[str, tuple[tuple[int, int], set[str]]] = {}
-            for path in self._paths():
-                seen[path] = self._read(path)
-            self._files = seen
-            return set().union(*(devices for _, devices in seen.values()))
+        return set(self.view().devices)
 
-    def ids(self, gpus: Iterable[tuple[str, int]]) -> dict[int, str]:
-        """GPU index -> ``nvidia.com/gpu=<name>`` for each GPU (uuid, index) NVIDIA's specs name;
-        a GPU they do not name is logged once."""
-        names = self.names()
+    def view(self) -> SpecView:
+        """The devices and device nodes of every nvidia.com/gpu spec in the directories now (a
+        device or node named in two files: the first file's, in the directories' order)."""
+        with self._lock:
+            seen = {path: self._read(path) for path in self._paths()}
+            self._files = seen
+        devices: dict[str, frozenset[str]] = {}
+        hosts: dict[str, str] = {}
+        for _, v in seen.values():
+            for name, nodes in v.devices.items():
+                devices.setdefault(name, nodes)
+            for path, host in v.hosts.items():
+                hosts.setdefault(path, host)
+        return SpecView(devices, hosts)
+
+    def ids(self, gpus: Iterable[tuple[str, int]], view: SpecView | None = None) -> dict[int, str]:
+        """GPU index -> ``nvidia.com/gpu=<name>`` for each GPU (uuid, index) NVIDIA's specs
+        (``view``, else read now) name; a GPU they do not name is logged once."""
+        names = set((view or self.view()).devices)
         out = {}
         for uuid, index in gpus:
             name = device_for(names, uuid, index)
@@ -97,11 +179,11 @@ class NvidiaSpecs:
             paths += [os.path.join(directory, n) for n in names if n.endswith(_SUFFIXES) and not n.startswith(_OURS)]
         return paths
 
-    def _read(self, path: str) -> tuple[tuple[int, int], set[str]]:
+    def _read(self, path: str) -> tuple[tuple[int, int], SpecView]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
-            return (0, 0), set()
+            return (0, 0), SpecView()
         try:
             st = os.fstat(fd)
             key = (st.st_size, st.st_mtime_ns)
@@ -109,7 +191,7 @@ class NvidiaSpecs:
             if cached is not None and cached[0] == key:
                 return cached
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SPEC_BYTES:
-                return key, set()
+                return key, SpecView()
             data = b""
             while len(data) <= MAX_SPEC_BYTES and (chunk := os.read(fd, 1 << 20)):
                 data += chunk
@@ -119,5 +201,5 @@ class NvidiaSpecs:
             parsed = json.loads(data) if path.endswith(".json") else yaml.load(data, Loader=_Loader)
         except (ValueError, yaml.YAMLError) as exc:
             log.warning("CDI spec not readable, skipped path=%s error=%s", path, str(exc).splitlines()[0][:200])
-            return key, set()
-        return key, spec_devices(parsed)
+            return key, SpecView()
+        return key, spec_view(parsed)

@@ -39,7 +39,7 @@ from ..inventory.mig import MigDevice
 from ..trees import remove_tree
 from . import cdi, migdevices
 from .claims import ClaimPlan, ClaimRef, Result, plan_claim
-from .nvidiacdi import NvidiaSpecs
+from .nvidiacdi import NvidiaSpecs, SpecView, brought_nodes
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,11 @@ class Preparer:
         dev_dir: str = "/dev",
         backend: Backend | None = None,
         nvidia: NvidiaSpecs | None = None,
+        dev_root: str = "/",
     ) -> None:
-        """``nvidia``: NVIDIA's CDI specs on the node, whose device IDs are answered beside mpsd's."""
+        """``nvidia``: NVIDIA's CDI specs on the node, whose device IDs are answered beside mpsd's;
+        ``dev_dir``: where mpsd sees the driver's device nodes; ``dev_root``: the host directory
+        whose ``dev/`` holds them (cdi.device_nodes)."""
         self.driver, self.node, self.pool = driver, node, pool
         self.backend = backend or V2Backend(paths)  # what a claim becomes on this node (mpsd/sharing)
         self.gpus: Sequence[GpuLike] = list(gpus)  # replaced whole when NVML lists other GPUs
@@ -170,6 +173,7 @@ class Preparer:
         self.store = store
         self.get_claim = get_claim
         self.dev_dir = dev_dir
+        self.dev_root = dev_root
         self.nvidia = nvidia
         self.lock = threading.Lock()  # one claim changes at a time; the API server is asked outside it
         self.step: Callable[[str], None] = lambda name: None  # fault injection in tests: called at each step
@@ -351,9 +355,9 @@ class Preparer:
             log.info("claim unprepared claim=%s uid=%s", rec.ref, rec.uid)
         return outcomes
 
-    def nvidia_ids(self, rec: PreparedClaim) -> dict[int, str]:
+    def nvidia_ids(self, rec: PreparedClaim, view: SpecView | None = None) -> dict[int, str]:
         """GPU index -> NVIDIA's CDI device ID for the claim's GPUs that NVIDIA's specs name."""
-        return self.nvidia.ids((g.uuid, g.index) for g in rec.gpus) if self.nvidia is not None else {}
+        return self.nvidia.ids(((g.uuid, g.index) for g in rec.gpus), view) if self.nvidia is not None else {}
 
     def prepared(self) -> list[PreparedClaim]:
         return [r for r in self.store.all() if r.phase == PREPARED]
@@ -412,19 +416,23 @@ class Preparer:
 
     def _spec(self, rec: PreparedClaim) -> dict:
         """A CDI device per request (one for the whole claim in a record written before that), each
-        what the node's sharing backend gives that request's slice."""
+        what the node's sharing backend gives that request's slice, and the device nodes that
+        NVIDIA's devices answered beside it (kubeletplugin) do not bring."""
+        view = self.nvidia.view() if self.nvidia is not None else SpecView()
+        ids = self.nvidia_ids(rec, view)
         return cdi.spec([
             cdi.device(cdi.device_name(rec.uid, name), req.plan, self.paths, rec.region_dir,
                        client_priority=rec.client_priority, region=cdi.region_file(name),
-                       nodes=self._nodes(req.plan.gpus), grant=self.backend.edits(req))
+                       nodes=self._nodes(req.plan.gpus, view, brought_nodes(rec.results, name, ids, view)),
+                       grant=self.backend.edits(req))
             for name, req in self.requests(rec)
         ])
 
-    def _nodes(self, shares: Sequence[GpuShare]) -> list[str]:
+    def _nodes(self, shares: Sequence[GpuShare], view: SpecView, brought: frozenset[str]) -> list[dict]:
         """The device nodes of these GPUs (by NVML's minor numbers) and, for MIG instances, their
-        /dev/nvidia-caps nodes."""
-        nodes = cdi.device_nodes(self._minors(shares), self.dev_dir)
-        return nodes + migdevices.caps_nodes(self.gpus, [g.uuid for g in shares], self.dev_dir)
+        /dev/nvidia-caps nodes, less those ``brought`` by NVIDIA's devices, at their host paths."""
+        names = cdi.node_names(self._minors(shares)) + migdevices.caps_nodes(self.gpus, [g.uuid for g in shares])
+        return cdi.device_nodes(names, self.dev_dir, brought=brought, hosts=view.hosts, dev_root=self.dev_root)
 
     def _minors(self, shares: Sequence[GpuShare]) -> list[int]:
         """The minor numbers NVML gives these GPUs (by UUID); a GPU it gives none (or no longer

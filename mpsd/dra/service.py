@@ -99,7 +99,7 @@ def build(config, *, pipe_dir: str, gpus: Sequence[GpuLike], get_claim, state_di
     preparer = Preparer(
         driver=dra.driver_name, node=node, pool=node, gpus=gpus, slices_per_gpu=dp.slices_per_gpu, paths=paths,
         cdi_dir=CdiDir(dra.cdi_dir), store=StateStore(os.path.join(state_dir, STATE_FILE), record=PreparedClaim),
-        get_claim=get_claim, backend=backend, nvidia=NvidiaSpecs(nvidia_cdi_dirs(dra.cdi_dir)),
+        get_claim=get_claim, backend=backend, nvidia=NvidiaSpecs(nvidia_cdi_dirs(dra.cdi_dir)), dev_root=dra.dev_root,
     )
     usage = None
     if metrics is not None:

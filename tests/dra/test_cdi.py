@@ -55,10 +55,21 @@ def test_tmpfs_ipc_mode_mounts_the_shared_shm():
     assert mounts["/dev/shm"] == "/s"
 
 
-def test_device_nodes_are_those_the_host_has(tmp_path):
+def test_device_nodes_are_those_the_host_has_at_the_hosts_path(tmp_path):
+    """Each node is at /dev/<name> in the container; its hostPath, where the runtime opens it, is
+    NVIDIA's spec's for that path, else under dev_root, never where mpsd sees it (``dev_dir``)."""
     for name in ("nvidiactl", "nvidia1"):
         (tmp_path / name).touch()
-    assert cdi.device_nodes([0, 1], str(tmp_path)) == [str(tmp_path / "nvidiactl"), str(tmp_path / "nvidia1")]
+    names = cdi.node_names([0, 1])
+    assert names == ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia0", "nvidia1"]
+    assert cdi.device_nodes(names, str(tmp_path)) == [{"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia1"}]
+    assert cdi.device_nodes(names, str(tmp_path), dev_root="/run/nvidia/driver") == [
+        {"path": "/dev/nvidiactl", "hostPath": "/run/nvidia/driver/dev/nvidiactl"},
+        {"path": "/dev/nvidia1", "hostPath": "/run/nvidia/driver/dev/nvidia1"}]
+    hosts = {"/dev/nvidia-uvm": "/drv/dev/nvidia-uvm", "/dev/nvidia1": "/drv/dev/nvidia1"}
+    assert cdi.device_nodes(names, str(tmp_path), hosts=hosts, brought={"/dev/nvidiactl"}) == [
+        {"path": "/dev/nvidia-uvm", "hostPath": "/drv/dev/nvidia-uvm"},  # named by NVIDIA's spec: on the host
+        {"path": "/dev/nvidia1", "hostPath": "/drv/dev/nvidia1"}]
 
 
 @pytest.mark.parametrize("uid", ["", "../x", "a/b", "-a", "a-", "a b", "x" * 129, "ü"])

@@ -306,5 +306,4 @@ def test_device_nodes_are_named_by_nvmls_minor_number_not_the_index(env):
     p = env.loaded(gpu_list=listed)
     rec = p.prepare(REF)
     (device,) = json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"]
-    assert [n["path"] for n in device["containerEdits"]["deviceNodes"]] == [
-        str(env.root / "dev" / "nvidiactl"), str(env.root / "dev" / "nvidia3")]
+    assert [n["path"] for n in device["containerEdits"]["deviceNodes"]] == ["/dev/nvidiactl", "/dev/nvidia3"]
