@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..daemon import dirs, drift, multiuser, peer
+from ..daemon import dirs, drift, logfifo, multiuser, peer
 from . import independent
 from ..daemon.computemode import ComputeMode
 from ..config import Config
@@ -363,7 +363,11 @@ class Supervisor:
         """A health check the daemon did not answer in time: checked again at once, killed as hung
         after HUNG_AFTER silent checks in a row (v2 and v3 alike). Not hung, inconclusive, while a
         session is held on its control sockets (it waits on it) or mpsd cannot read its sessions:
-        a tenant can hold one, so it is no proof of anything (docs/security.md, verdicts)."""
+        a tenant can hold one, so it is no proof of anything (docs/security.md, verdicts). Contested,
+        not hung, while its threads are blocked writing its log FIFO, which a tenant can fill."""
+        jammed = logfifo.blocked(daemon.pid, self.config.pipe_dir)
+        if jammed is not None:
+            return self._inconclusive(daemon, exc, [], contested=logfifo.report(jammed))
         found = peer.sessions(daemon.pid, self.config.pipe_dir)
         if found.holders or found.unreadable:
             return self._inconclusive(daemon, exc, found.holders, found.unreadable)
@@ -386,16 +390,20 @@ class Supervisor:
             raise ControlImpostor(f"control socket impostor: {found}; the daemon is restarted to take its sockets back")
 
     def _inconclusive(self, daemon: DaemonProcess | independent.AdoptedDaemon, exc: ControlError,
-                      holders: list[int], unreadable: str = "") -> None:
-        """No verdict: another front-end holds the daemon, or its sessions cannot be read. It is not
-        killed (that would hand the holder a lever on every client); past verdictTimeout /readyz
-        says so (docs/operations.md)."""
+                      holders: list[int], unreadable: str = "", contested: str = "") -> None:
+        """No verdict: another front-end holds the daemon, its sessions cannot be read, or
+        (``contested``: what and who) it is blocked on its log FIFO. It is not killed (that would
+        hand the holder a lever on every client); past verdictTimeout /readyz says so (docs/operations.md)."""
         self._silent_checks, age = (daemon.pid, 0), time.monotonic() - self._verdict_at
-        who = peer.describe_all(holders, unreadable=unreadable)
-        log.warning("health check of daemon pid=%d inconclusive: %s; held by %s", daemon.pid, exc, who)
-        self._publish(last_error=f"{exc}; held by {who}", verdict_age=age)  # the metric before /readyz
+        named = "" if contested else peer.describe_all(holders, unreadable=unreadable)
+        who = contested or f"held by {named}"
+        log.warning("health check of daemon pid=%d %s: %s; %s", daemon.pid,
+                    "contested" if contested else "inconclusive", exc, who)
+        self._publish(last_error=f"{exc}; {who}", verdict_age=age)  # the metric before /readyz
         if age >= self.config.verdict_timeout:
-            self.board.update(unverified=peer.held_reason(age, self.config.verdict_timeout, who))
+            bound = self.config.verdict_timeout
+            self.board.update(unverified=logfifo.reason(age, bound, contested) if contested
+                              else peer.held_reason(age, bound, named))
         self._next_at = time.monotonic() + self.config.health_interval
 
     def _restore_defaults(self, got: drift.Defaults, devices: set[int]) -> str:

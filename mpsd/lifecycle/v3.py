@@ -112,6 +112,7 @@ class V3Supervision:
         """After a start: the namespaces of slices granted meanwhile. What is not as wanted, one
         line ("" when all is): reported in /readyz, never a reason to restart the daemon."""
         self.config = config
+        dirs.keep_log_target(config.pipe_dir)  # pods' /dev/null over `log` needs it (mpsd/sharing/v3.py)
         control = self.control()
         try:
             servers = control.server_list()

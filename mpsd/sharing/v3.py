@@ -34,7 +34,9 @@ from typing import Callable, Iterable, Sequence
 
 from ..daemon.control3 import Control3, Limits3, Server3
 from ..errors import BackendError, ControlError, DaemonNotRunning
-from ..alloc.container import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, HostPaths
+from ..alloc.container import (CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, DEV_NULL,
+                               LOG_FIFO, HostPaths)
+from ..daemon import dirs
 from ..alloc.slicing import GpuLike, GpuShare
 from ..units import format_limits, format_size_mps_control
 from . import Grant, SliceRequest
@@ -106,7 +108,9 @@ class V3Backend:
             "NVIDIA_VISIBLE_DEVICES": share.uuid,
             "TF_FORCE_GPU_ALLOW_GROWTH": "true",
         }
-        mounts = [Mount(self.paths.pipe_dir, self.paths.pipe_dir, True)]  # read-only: see mpsd/alloc/container.py
+        mounts = [Mount(self.paths.pipe_dir, self.paths.pipe_dir, True),  # read-only: see mpsd/alloc/container.py
+                  # /dev/null over `log`, as under v2: writes into a FIFO pass a read-only mount
+                  Mount(DEV_NULL, os.path.join(self.paths.pipe_dir, LOG_FIFO), True)]
         if self.shim(request):
             env["LD_PRELOAD"] = CONTAINER_SHIM
             env["MPSSHIM_REGION"] = CONTAINER_REGION
@@ -185,6 +189,7 @@ class V3Backend:
         except BackendError:
             self.release(request.key)  # the driver refused the limits: nothing of the slice stays
             raise
+        dirs.keep_log_target(self.paths.pipe_dir)  # the mount over `log` needs its target
         return self.edits(request)
 
     def _limit_pods(self, request: SliceRequest) -> None:

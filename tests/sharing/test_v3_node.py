@@ -239,3 +239,23 @@ def test_a_namespace_socket_served_by_another_process_restarts_the_daemon(node, 
     finally:
         fake.close()
     assert ns in namespaces(backend)
+
+
+def test_v3_pods_get_dev_null_over_the_log_fifo_and_its_target_outlives_daemon_restarts(node, plugin):
+    # As under v2 (mpsd/alloc/container.py): a read-only mount does not stop writes into a FIFO,
+    # and a daemon that stops reading its `log` blocks once it is full. The bind needs its target
+    # at container creation: kept at grant and after each daemon start, whether or not the v3
+    # daemon makes a `log` of its own.
+    config, backend, running = node()
+    up(running)
+    dp = plugin(config, backend)
+    channel, s = stub(dp)
+    log_fifo = Path(config.pipe_dir) / "log"
+    with channel:
+        reply = allocate(s, [f"{GPUS[0].uuid}::0"]).container_responses[0]
+    mounts = {m.container_path: (m.host_path, m.read_only) for m in reply.mounts}
+    assert mounts[str(log_fifo)] == ("/dev/null", True)
+    assert log_fifo.is_fifo()
+    pid = running.sup.status().pid
+    os.kill(pid, signal.SIGKILL)  # dirs.prepare removes what the daemon left, `log` included
+    assert wait_for(lambda: running.sup.status().pid not in (None, pid) and log_fifo.is_fifo())
