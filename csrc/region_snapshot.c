@@ -51,7 +51,8 @@ static int ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out, cons
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);
-        out->used[d] = ms_ld(&h->used[d].val);
+        uint64_t rsv = ms_region_rsv(h, d), used = ms_ld(&h->used[d].val);
+        out->used[d] = used > rsv ? used - rsv : 0; /* in use: reserves are free to whoever charges */
     }
     for (int i = 0; i < MS_SLOTS && out->nprocs < MS_SNAPSHOT_MAX_PROCS; i++) {
         uint64_t st = __atomic_load_n(&h->slot[i].state, __ATOMIC_ACQUIRE);

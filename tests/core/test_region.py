@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from tests.core.conftest import VARIANTS, LineProc, Repl, driver_env, snap
 
 MAX = (1 << 64) - 1
-# Header offsets of layout version 2 (csrc/region.h, struct ms_hdr); a layout change must update them.
+# Header offsets of layout version 3 (csrc/region.h, struct ms_hdr); a layout change must update them.
 OFF_VERSION, OFF_RESOLVED, OFF_USED0, OFF_SLOTS = 8, 40, 128 + 8 * 64, 128 + 136 * 64
-WORD_SIZE, LANE_SIZE = 128, 128 + 8 * 64  # a device word; a lane: owner's line, share[64], helpers' line
+WORD_SIZE, LANE_SIZE = 128, 128 + 8 * 64 + 16 * 8  # a device word; a lane: owner's line, share[64], rsv[8], helpers' line
 SLOT_SIZE, SLOTS = 128 + 16 * LANE_SIZE, 256
 FILE_SIZE = OFF_SLOTS + SLOTS * SLOT_SIZE
 V1_SIZE = 128 + 2 * 8 * 64 + 256 * 576  # the layout before this one
@@ -105,7 +105,7 @@ def test_snapshot_from_an_outside_process_marks_liveness(repl: Repl, tmp_path: P
     assert a.ask("charge 0 100 10") == "ok 10" and b.ask("charge 0 100 20") == "ok 30"
     b.kill()
     s = snap(tool, path)  # tool never opened the region: read-only path
-    assert s["version"] == 2 and s["used0"] == 30
+    assert s["version"] == 3 and s["used0"] == 30
     assert sorted(s["procs"]) == sorted([(a.pid, 1, 10), (b.pid, 0, 20)])  # type: ignore[type-var]
     assert a.ask("reclaim") == "1"
     assert snap(tool, path)["procs"] == [(a.pid, 1, 10)]
@@ -183,9 +183,10 @@ def corrupt(data: bytes, offset: int, fmt: str, value: int) -> bytes:
 BAD_FILES: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ("bad magic", lambda good: b"NOTMPSSH" + good[8:], "bad magic number"),
     ("random garbage", lambda good: os.urandom(len(good)), "bad magic number"),
-    ("version 1", lambda good: corrupt(good, OFF_VERSION, "<I", 1), "layout version 1; this shim reads only version 2"),
-    ("a layout-1 file", lambda good: v1_file(), "layout version 1; this shim reads only version 2"),
-    ("version 3", lambda good: corrupt(good, OFF_VERSION, "<I", 3), "layout version 3; this shim reads only version 2"),
+    ("version 1", lambda good: corrupt(good, OFF_VERSION, "<I", 1), "layout version 1; this shim reads only version 3"),
+    ("a layout-1 file", lambda good: v1_file(), "layout version 1; this shim reads only version 3"),
+    ("version 2", lambda good: corrupt(good, OFF_VERSION, "<I", 2), "layout version 2; this shim reads only version 3"),
+    ("version 4", lambda good: corrupt(good, OFF_VERSION, "<I", 4), "layout version 4; this shim reads only version 3"),
     ("truncated", lambda good: good[:1000], "is 1000 bytes, expected"),
     ("empty", lambda good: b"", "is 0 bytes, expected"),
     ("too long", lambda good: good + b"\0" * 4096, "bytes, expected"),
