@@ -9,7 +9,8 @@
  *    for live usage; nobody deletes files, and nobody waits for anyone to do it.
  *  - Counters never drift or wrap: charge(x) then uncharge(x) restores used exactly.
  *  - No cross-process lock and no syscall on the charge/uncharge path: one compare-and-swap on
- *    the device's shared counter plus stores to this thread's own lane (target: an alloc+free
+ *    this thread's reserve (headroom taken from the device's shared counter in batches) or, on
+ *    the exact path, on that counter, plus stores to this thread's own lane (target: an alloc+free
  *    pair through the shim costs at most 100 ns more than without it single-threaded, and at
  *    most 200 ns per pair in aggregate with 8 threads on 2 cores). A stopped (SIGSTOP, frozen
  *    cgroup, debugger) or dead co-tenant can never block another process's call.

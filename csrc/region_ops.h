@@ -56,7 +56,8 @@
  *    tries the next slot). Free slots have every lane at share 0 and nothing in flight.
  *  - Counters never wrap: charges check v <= cap - bytes; give-backs clamp at 0 and count it
  *    (only a corrupted file has a total below a share); a process's uncharges are clamped to
- *    what it holds (held[], process memory).
+ *    what it holds (held[], process memory, a row per lane: a thread gives back from its own
+ *    row, from the others' only when its own is short).
  *
  * Reserves: headroom in batches, taken back without its holder (issue 32).
  *  - A lane's reserve on device d < MS_RSV_DEVS, rsv[d] = {val, tag}, is headroom counted in
@@ -130,13 +131,9 @@ static inline int ms_cas(ms_word *w, uint64_t ov, uint64_t ot, uint64_t nv, uint
 #define MS_NEAR ((uint64_t)64 << 20)
 #define MS_STEAL_PASSES 8
 
-/* The same CAS on a lane's reserve. */
-#if defined(__x86_64__)
-__attribute__((target("cx16")))
-#endif
+/* The same CAS on a lane's reserve (the same 16 bytes: {val, tag}). */
 static inline int ms_rcas(ms_rword *w, uint64_t ov, uint64_t ot, uint64_t nv, uint64_t nt) {
-    unsigned __int128 o = (unsigned __int128)ot << 64 | ov, n = (unsigned __int128)nt << 64 | nv;
-    return __sync_bool_compare_and_swap((unsigned __int128 *)(void *)w, o, n);
+    return ms_cas((ms_word *)(void *)w, ov, ot, nv, nt);
 }
 
 /* The word an operation announced with `pdev` changes ({val, tag} at its start), or NULL for a

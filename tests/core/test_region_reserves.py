@@ -13,38 +13,19 @@ import re
 import signal
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.core.conftest import LineProc
 from tests.core.test_region import LANE_SIZE, OFF_SLOTS, OFF_USED0, SLOT_SIZE, SLOTS
+from tests.core.test_region_faults import dies_of_sigkill as dies
 
 MIB = 1 << 20
 BATCH, NEAR = 4 * MIB, 64 * MIB  # region_ops.h: MS_BATCH, MS_NEAR
 CAP = 128 * MIB  # room for batches (a charge takes one while MS_NEAR stays free)
 SMALL = 4096
 OFF_RSV = 64 + 8 * 64  # ms_lane.rsv, after the owner's line and share[64]
-
-
-@pytest.fixture
-def start(core_bin: Path) -> Iterator:
-    procs: list[LineProc] = []
-
-    def run(fault: str | None = None) -> LineProc:
-        variant = "_fault" if fault is not None else ""
-        p = LineProc([core_bin / f"region_cli{variant}", "repl"], extra_env={"MPSSHIM_FAULT": fault} if fault else None)
-        procs.append(p)
-        return p
-
-    yield run
-    for p in procs:
-        if p.proc.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        else:
-            p.close()
 
 
 def counted(path: Path, dev: int = 0) -> int:
@@ -59,12 +40,6 @@ def reserves(path: Path, dev: int = 0) -> int:
         for s in range(SLOTS)
         for k in range(16)
     )
-
-
-def dies(p: LineProc, line: str) -> None:
-    with pytest.raises(AssertionError, match="died"):
-        p.ask(line)
-    assert p.proc.returncode == -signal.SIGKILL
 
 
 def wait_stopped(p: LineProc, line: str) -> None:
@@ -179,41 +154,36 @@ def holding(start, path: Path) -> LineProc:
 def test_killed_depositing_a_batch(start, tmp_path: Path, step: str) -> None:
     path = tmp_path / "region"
     survivor = holding(start, path)
-    victim = start(step)
+    victim = start(variant="_fault", fault=step)
     assert victim.ask(f"open {path}") == "ok"
     dies(victim, f"charge 0 {CAP} {SMALL}")
     exact(start, survivor, path, SMALL)
 
 
-@pytest.mark.parametrize("step", ["reserve.announced", "reserve.applied", "reserve.folded"])
-def test_killed_charging_from_its_reserve(start, tmp_path: Path, step: str) -> None:
+@pytest.mark.parametrize(
+    ("step", "line"),
+    [(f"reserve.{s}", f"charge 0 {CAP} {SMALL}") for s in ("announced", "applied", "folded")]
+    + [(f"park.{s}", f"uncharge 0 {SMALL}") for s in ("announced", "applied", "folded")],
+)
+def test_killed_charging_from_its_reserve_or_parking_a_free_in_it(start, tmp_path: Path, step: str, line: str) -> None:
     path = tmp_path / "region"
     survivor = holding(start, path)
-    victim = start(step)
+    victim = start(variant="_fault", fault=step)
     assert victim.ask(f"open {path}") == "ok" and victim.ask(f"charge 0 {CAP} {SMALL}") == f"ok {2 * SMALL}"
-    dies(victim, f"charge 0 {CAP} {SMALL}")  # the second comes from the reserve
+    dies(victim, line)  # a second charge comes from the reserve the first took; a free parks there
     exact(start, survivor, path, SMALL)
 
 
-@pytest.mark.parametrize("step", ["park.announced", "park.applied", "park.folded"])
-def test_killed_parking_a_free_in_its_reserve(start, tmp_path: Path, step: str) -> None:
-    path = tmp_path / "region"
-    survivor = holding(start, path)
-    victim = start(step)
-    assert victim.ask(f"open {path}") == "ok" and victim.ask(f"charge 0 {CAP} {SMALL}") == f"ok {2 * SMALL}"
-    dies(victim, f"uncharge 0 {SMALL}")
-    exact(start, survivor, path, SMALL)
-
-
-@pytest.mark.parametrize("step", ["take.announced", "take.applied", "take.folded", "return.announced",
-                                  "return.applied", "return.folded"])
+@pytest.mark.parametrize(
+    "step", ["take.announced", "take.applied", "take.folded", "return.announced", "return.applied", "return.folded"]
+)
 def test_killed_taking_anothers_reserve_back(start, tmp_path: Path, step: str) -> None:
     """The victim needs the survivor's reserve for a charge and dies taking it (its share holds
     it, or the survivor's reserve still does, or the device's word has it back): whichever,
     the repair of the victim's slot leaves exactly what the survivor holds."""
     path = tmp_path / "region"
     survivor = holding(start, path)
-    victim = start(step)
+    victim = start(variant="_fault", fault=step)
     assert victim.ask(f"open {path}") == "ok"
     dies(victim, f"charge 0 {CAP} {CAP - SMALL}")
     exact(start, survivor, path, SMALL)
@@ -230,7 +200,7 @@ def test_a_stopped_holders_operation_on_its_reserve_is_helped_before_the_reserve
     path = tmp_path / "region"
     survivor = start()
     assert survivor.ask(f"open {path}") == "ok"
-    holder = start(f"{step}:stop")
+    holder = start(variant="_fault", fault=f"{step}:stop")
     assert holder.ask(f"open {path}") == "ok" and holder.ask(f"charge 0 {CAP} {SMALL}") == f"ok {SMALL}"
     wait_stopped(holder, f"charge 0 {CAP} {SMALL}")  # from its reserve: stops mid-operation
     assert survivor.ask(f"charge 0 {CAP} {CAP - 2 * SMALL}", within=10) == f"ok {CAP}"
@@ -250,6 +220,6 @@ def test_killed_draining_a_dead_slots_reserves(start, tmp_path: Path, step: str)
     assert dead.ask(f"open {path}") == "ok" and dead.ask(f"charge 0 {CAP} {SMALL}") == f"ok {2 * SMALL}"
     assert dead.ask(f"charge 1 {CAP} {SMALL}") == f"ok {SMALL}"  # reserves on two devices
     dead.kill()
-    dies(start(step), f"open {path}")  # opening reclaims the dead slot first
+    dies(start(variant="_fault", fault=step), f"open {path}")  # opening reclaims the dead slot first
     exact(start, survivor, path, SMALL)
     assert survivor.ask("used 1") == "0" and counted(path, 1) == 0
