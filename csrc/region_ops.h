@@ -90,9 +90,11 @@
  *    reclaims the dead, then refuses. A lane puts headroom in its reserve only inside a charge
  *    (a batch) or a free (parking what it frees, which was counted already). So a refusal of b
  *    means: charged to allocations + b + R > cap when it last read used[d], where R is at most
- *    MS_BATCH for each charge on the device in progress at the same time that took a batch (and
- *    only while MS_NEAR was free when it did). With no other charge on the device in progress
- *    (the others idle, stopped between calls, freeing, or dead), a refusal is exact to the byte;
+ *    MS_RSV_MAX (a reserve's bound) for each lane that took a batch on the device while the
+ *    refused charge ran (a batch needs MS_NEAR free; a lane stopped between its batch and its
+ *    deposit counts too: its charge is still running). Frees running meanwhile add nothing (what
+ *    they park was counted). With no other charge on the device running (the others idle,
+ *    stopped between calls, freeing, or dead), a refusal is exact to the byte;
  *    charges above MS_BATCH never take a batch (six racing 1 GiB charges under a 3 GiB cap:
  *    exactly three succeed).
  *  - A repair first takes every reserve of the dead slot's lanes into its lane 0 (operations of

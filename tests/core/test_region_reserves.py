@@ -12,12 +12,13 @@ import os
 import re
 import signal
 import struct
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.core.conftest import LineProc
+from tests.core.conftest import VARIANTS, LineProc, driver_env
 from tests.core.test_region import LANE_SIZE, OFF_SLOTS, OFF_USED0, SLOT_SIZE, SLOTS
 from tests.core.test_region_faults import dies_of_sigkill as dies
 
@@ -223,3 +224,36 @@ def test_killed_draining_a_dead_slots_reserves(start, tmp_path: Path, step: str)
     dies(start(variant="_fault", fault=step), f"open {path}")  # opening reclaims the dead slot first
     exact(start, survivor, path, SMALL)
     assert survivor.ask("used 1") == "0" and counted(path, 1) == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_threads_and_processes_with_reserves_never_pass_the_cap(core_bin: Path, tmp_path: Path, variant: str) -> None:
+    """4 processes x 4 threads charge (1 byte to 1 MiB: batches while 64 MiB are free) and free
+    at random for 2 s under a 128 MiB cap (which they would fill four times over), so reserves
+    are taken, parked in and taken back all along; the device's word itself (reserves included) never passes the cap,
+    and everything, reserves included, is back at the end."""
+    path = tmp_path / "region"
+    workers = [
+        subprocess.Popen(
+            [core_bin / f"region_cli{variant}", "stress", path, str(CAP), "4", "2", str(seed), str(MIB)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=driver_env(),
+        )
+        for seed in range(4)
+    ]
+    polls = held = 0
+    while any(w.poll() is None for w in workers):
+        if path.exists() and path.stat().st_size > OFF_USED0:
+            assert counted(path) <= CAP
+            held, polls = max(held, reserves(path)), polls + 1
+        time.sleep(0.005)
+    charges = refused = 0
+    for w in workers:
+        out, err = w.communicate(timeout=60)
+        assert w.returncode == 0, err.decode()
+        m = re.fullmatch(rb"charges=(\d+) refused=(\d+) maxseen=(\d+) bad=0\n", out)
+        assert m is not None, out
+        charges, refused = charges + int(m[1]), refused + int(m[2])
+    assert charges > 1000 and refused > 0 and polls > 10 and held > 0  # contended, with reserves held
+    assert counted(path) == 0 and reserves(path) == 0
