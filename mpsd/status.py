@@ -94,8 +94,9 @@ def _collect_v3(config: cfg.Config, out: dict[str, Any]) -> None:
 
     control = Control3(config.control_binary, config.pipe_dir, config.log_dir, config.health_timeout)
     try:
+        clients = [(c.server, c.namespace) for c in control.client_list()]
         for server in control.server_list():
-            namespaces = [{"name": n.name, **asdict(n.limits), "clients": n.clients}
+            namespaces = [{"name": n.name, **asdict(n.limits), "clients": clients.count((server.name, n.name))}
                           for n in control.namespace_list(server.name)]
             out["servers"].append({"name": server.name, "pid": server.pid, "status": server.status,
                                    "namespaces": namespaces})

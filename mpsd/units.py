@@ -166,3 +166,22 @@ def parse_duration(text: str | float | int) -> float:
         raise ConfigError(f"bad duration {shown(str(text))}: {accepted}")
     scale = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
     return float(m.group(1)) * scale
+
+
+# The strings these parsers take, as JSON schema patterns (the Helm chart's schema, mpsd/config/schema.py;
+# RE2 and ECMA-262 alike), each a part of what its parser accepts and never more.
+DEVICE_PATTERN = f"(?:[0-9]+|{_UUID.pattern})"  # an ordinal or a UUID, as CUDA_VISIBLE_DEVICES names them
+SIZE_PATTERN = "0*([1-9][0-9]{0,6}[KMGTkmgt][Bb]?|[1-9][0-9]{0,18})"  # above 0, below 2**64: 7 digits with a unit
+PERCENTAGE_PATTERN = r"(100(\.0+)?|0*[1-9][0-9]?(\.[0-9]+)?|0*\.[0-9]*[1-9][0-9]*)"  # (0, 100] as float() reads it
+_LIMIT = rf"(0*[1-5]?[0-9]|0*6[0-3]|(GPU|MIG)-[A-Za-z0-9/_-]{{1,{MAX_UUID_LEN - 4}}})=(0+|{SIZE_PATTERN})"
+LIMITS_PATTERN = rf"{_LIMIT}(,{_LIMIT})*"  # but a device named twice, or more than MAX_ENTRIES (RE2's bounds)
+
+
+def duration_pattern(positive: bool) -> str:
+    """parse_duration's strings up to 99999s, 9999m or 99999999ms (a day and more); above 0 if positive."""
+
+    def number(digits: int) -> str:
+        above_zero = rf"[1-9][0-9]{{0,{digits - 1}}}(\.[0-9]+)?|0\.[0-9]*[1-9][0-9]*"
+        return f"0*({above_zero})" if positive else rf"0*({above_zero}|0(\.0+)?)"
+
+    return f"^({number(5)}s?|{number(4)}m|{number(8)}ms)$"

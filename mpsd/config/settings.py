@@ -1,24 +1,30 @@
 """Every setting of mpsd's configuration as one row of :data:`SETTINGS` (key, flag, parser,
-default, help), and the parsers of their values: the one table the file, the environment, the
-flags, the docs and the Helm chart's schema are checked against. Pure."""
+default, help), and the parsers of their values with their JSON schema: the one table the file,
+the environment, the flags, the docs and the Helm chart's schema (mpsd/config/schema.py) follow. Pure."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from functools import cache
+from typing import Any, Callable, TypeVar
 
 from ..errors import ConfigError
 from ..units import (
+    DEVICE_PATTERN as _DEVICE,
     LIMITS_FORM,
+    LIMITS_PATTERN,
+    PERCENTAGE_PATTERN,
+    SIZE_PATTERN,
+    duration_pattern,
     is_decimal,
     parse_duration,
     parse_limits,
     parse_percentage,
     parse_size,
 )
+from .address import ADDRESS_PATTERN, parse_address
 
 VERSION = "v1"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -34,13 +40,29 @@ def _snake(name: str) -> str:
 
 # ------------------------------------------------ value parsers (raise ValueError with the accepted form)
 
+# What each parser accepts as JSON schema, never more (tests/config/test_config_schema.py): the Helm
+# chart's schema is generated from it. Keywords of one type ignore values of another, so that
+# {"type": ["number", "string"], "maximum": 100, "pattern": ...} bounds both.
+SCHEMAS: dict[Callable[[Any], Any], dict[str, Any]] = {}
+_Parser = TypeVar("_Parser", bound=Callable[[Any], Any])
 
+
+def _accepts(**schema: Any) -> Callable[[_Parser], _Parser]:
+    def record(parse: _Parser) -> _Parser:
+        SCHEMAS[parse] = schema
+        return parse
+
+    return record
+
+
+@_accepts(type="string")
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError("a string")
     return value
 
 
+@_accepts(type="string", minLength=1)
 def _path(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("a non-empty path")
@@ -50,8 +72,10 @@ def _path(value: Any) -> str:
 # The daemon's sockets (PIPE/control_privileged) must fit a unix socket address: 535 starts with
 # an 87-byte pipe dir and fails with 88 (seen on the real binary), leaving nothing to connect to.
 MAX_PIPE_DIR_BYTES = 87
+_ASCII_PATH = "^[ -~]+$"  # in ASCII a byte bound is a maxLength
 
 
+@_accepts(type="string", maxLength=MAX_PIPE_DIR_BYTES, pattern=_ASCII_PATH)
 def _pipe_dir(value: Any) -> str:
     path = _path(value)
     if len(os.fsencode(os.path.normpath(path))) > MAX_PIPE_DIR_BYTES:
@@ -60,10 +84,12 @@ def _pipe_dir(value: Any) -> str:
     return path
 
 
+@_accepts(type=["string", "null"])
 def _optional_path(value: Any) -> str | None:
     return None if value is None or value == "" else _path(value)
 
 
+@_accepts(type="boolean")  # not "yes": the chart's templates read some of them as booleans
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -72,7 +98,9 @@ def _bool(value: Any) -> bool:
     raise ValueError("true or false")
 
 
+@cache  # one parser per range: SCHEMAS keeps each once
 def _int_range(low: int, high: int) -> Callable[[Any], int]:
+    @_accepts(type="integer", minimum=low, maximum=high)
     def parse(value: Any) -> int:
         if isinstance(value, bool) or not (isinstance(value, int) or is_decimal(value)):
             raise ValueError(f"an integer {low}..{high}")
@@ -84,6 +112,7 @@ def _int_range(low: int, high: int) -> Callable[[Any], int]:
     return parse
 
 
+@_accepts(type=["number", "string"], exclusiveMinimum=0, maximum=100, pattern=f"^{PERCENTAGE_PATTERN}$")
 def _percentage(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("a number in (0, 100]")
@@ -93,6 +122,7 @@ def _percentage(value: Any) -> float:
         raise ValueError("a number in (0, 100]") from None
 
 
+@_accepts(type=["string", "null"], pattern=f"^({LIMITS_PATTERN})?$")
 def _limits(value: Any) -> dict[int | str, int]:
     if value is None:
         return {}
@@ -107,6 +137,9 @@ def _limits(value: Any) -> dict[int | str, int]:
 MAX_DURATION = 86400.0 * 7  # timers beyond this are mistakes; ~1e10 s overflows the loop's wait
 
 
+# 0, or 1e-4 and up: Helm writes a number below as 5e-05, which YAML reads as a string
+@_accepts(anyOf=[{"const": 0}, {"type": ["number", "string"], "minimum": 1e-4, "maximum": MAX_DURATION,
+                                "pattern": duration_pattern(False)}])
 def _duration(value: Any) -> float:
     accepted = "a duration such as 500ms, 2s, 1m or a number of seconds, at most 7 days"
     if isinstance(value, bool):
@@ -120,6 +153,7 @@ def _duration(value: Any) -> float:
     return seconds
 
 
+@_accepts(type=["number", "string"], minimum=1e-4, maximum=MAX_DURATION, pattern=duration_pattern(True))
 def _positive_duration(value: Any) -> float:
     seconds = _duration(value)
     if seconds <= 0:
@@ -127,12 +161,15 @@ def _positive_duration(value: Any) -> float:
     return seconds
 
 
+@_accepts(type=["integer", "string", "null"], minimum=0, maximum=1, pattern="^[01]?$")
 def _priority(value: Any) -> int | None:
     if value is None or value == "":
         return None
     return _int_range(0, 1)(value)
 
 
+@_accepts(type=["string", "integer", "array", "null"], minimum=0, pattern=f"^(|{_DEVICE}(,{_DEVICE})*)$",
+          minItems=1, items={"type": ["string", "integer"], "minimum": 0, "pattern": f"^{_DEVICE}$"})
 def _visible_devices(value: Any) -> str | None:
     if value is None or value == "":
         return None
@@ -140,13 +177,12 @@ def _visible_devices(value: Any) -> str | None:
         value = str(value)
     if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
         value = ",".join(str(v) for v in value)
-    if not isinstance(value, str) or not re.fullmatch(
-        r"(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)(?:,(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+))*", value
-    ):
+    if not isinstance(value, str) or not re.fullmatch(f"{_DEVICE}(?:,{_DEVICE})*", value):
         raise ValueError('a comma-separated list of GPU indices or UUIDs such as "0,1" or "GPU-..."')
     return value
 
 
+@_accepts(type=["string", "null"], maxLength=255, pattern=f"^({ADDRESS_PATTERN})?$")  # the host: 253 at most
 def _address(value: Any) -> str:
     """What the metrics server accepts (parse_address), so check-config catches an address that
     ``mpsd run`` would refuse."""
@@ -161,7 +197,9 @@ def _address(value: Any) -> str:
     raise ValueError('host:port such as "0.0.0.0:9400" or "[::1]:9400", port 0..65535, or "" to disable')
 
 
+@cache
 def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    @_accepts(type="string", enum=list(choices))
     def parse(value: Any) -> str:
         if value not in choices:
             raise ValueError(" or ".join(choices))
@@ -173,6 +211,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
 _DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+")
 
 
+@_accepts(type="string", maxLength=63, pattern=f"^{_DRIVER_NAME.pattern}$")
 def _driver_name(value: Any) -> str:
     """A DRA driver name as the API server takes it: a lower-case DNS subdomain of at most 63
     characters with a domain of the vendor's (it names sockets and ResourceSlices too)."""
@@ -184,6 +223,7 @@ def _driver_name(value: Any) -> str:
 MIG_PIPE_ROOT_BYTES = MAX_PIPE_DIR_BYTES - len("/MIG-00000000-0000-0000-0000-000000000000")
 
 
+@_accepts(type="string", maxLength=MIG_PIPE_ROOT_BYTES, pattern=_ASCII_PATH)
 def _mig_pipe_root(value: Any) -> str:
     """mig.pipeRoot: each instance's pipe dir is <pipeRoot>/<MIG-uuid>, which must fit like pipeDir."""
     path = _path(value)
@@ -193,6 +233,7 @@ def _mig_pipe_root(value: Any) -> str:
     return path
 
 
+@_accepts(type=["string", "integer"], minimum=1, maximum=100, pattern="^(auto|0*([1-9][0-9]?|100))$")
 def _slices_per_instance(value: Any) -> str | int:
     """mig.slicesPerInstance: auto, or an integer 1..100."""
     if value == "auto":
@@ -206,6 +247,8 @@ def _slices_per_instance(value: Any) -> str | int:
 _PROFILE = re.compile(r"(?:[1-8]c\.)?[1-8]g\.[0-9]+gb(?:[+-][a-z0-9]+(?:\.[a-z0-9]+)?)?")  # go-nvlib's spelling
 
 
+@_accepts(type=["string", "array", "null"], pattern=f"^(|{_PROFILE.pattern}(,{_PROFILE.pattern})*)$",
+          items={"type": "string", "pattern": f"^{_PROFILE.pattern}$"})
 def _profiles(value: Any) -> tuple[str, ...]:
     """mig.smPartitionProfiles: MIG profiles, comma-separated ("1g.10gb,3g.40gb"), or "" for none."""
     if value is None or value == "":
@@ -216,6 +259,7 @@ def _profiles(value: Any) -> tuple[str, ...]:
     return tuple(p.strip() for p in items)
 
 
+@_accepts(type=["string", "null"], pattern=f"^(|{PERCENTAGE_PATTERN}%|{SIZE_PATTERN})$")
 def _memory_limit(value: Any) -> str:
     """devicePlugin.memoryLimit: "" (no burst), a percentage of the GPU ("50%") or a size ("40G")."""
     accepted = 'a size such as 40G, a percentage of the GPU such as 50%, or "" for none'
@@ -239,6 +283,10 @@ def _memory_limit(value: Any) -> str:
 MIN_LOG_SIZE = 64 << 10
 
 
+# integers up to what a JSON number holds exactly; strings 0 or with a unit, 64K and up
+@_accepts(anyOf=[{"const": 0}, {"type": "integer", "minimum": MIN_LOG_SIZE, "maximum": 1 << 53},
+                 {"type": "string", "pattern": "^(0+|0*(6[4-9]|[7-9][0-9]|[1-9][0-9]{2,6})[Kk][Bb]?|"
+                                               "0*[1-9][0-9]{0,6}[MGTmgt][Bb]?)$"}])
 def _log_size(value: Any) -> int:
     """logMaxSize: 0 (never rotate) or a size of at least MIN_LOG_SIZE."""
     accepted = "0 (never rotate) or a size of at least 64K, such as 64M"
@@ -253,6 +301,7 @@ def _log_size(value: Any) -> int:
     return size
 
 
+@_accepts(type=["string", "integer"], enum=[*PROTOCOLS, 2, 3])
 def _protocol(value: Any) -> str:
     """mps.protocol: auto, 2 or 3 (YAML may give the numbers as integers)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -262,6 +311,7 @@ def _protocol(value: Any) -> str:
     raise ValueError(" | ".join(PROTOCOLS))
 
 
+@_accepts(type=["string", "boolean"], enum=["auto", "on", "off", True, False])  # YAML's bare on/off
 def _multi_user(value: Any) -> str:
     """auto | on | off; YAML 1.1 reads a bare on/off as a boolean, taken as on/off here."""
     if isinstance(value, bool):
@@ -271,6 +321,7 @@ def _multi_user(value: Any) -> str:
     raise ValueError("auto, on or off")
 
 
+@_accepts(type="string", enum=list(LOG_LEVELS))
 def _log_level(value: Any) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
@@ -414,30 +465,3 @@ SETTINGS: tuple[Setting, ...] = (
 # fmt: on
 BY_KEY = {s.key: s for s in SETTINGS}
 BY_FLAG = {s.flag: s for s in SETTINGS}
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` → (host, port). IPv6 hosts in brackets (``[::1]:9400``); an empty host
-    (``:9400``) means every IPv4 interface; port 0 picks a free port."""
-    accepted = 'expected host:port with port 0..65535, e.g. "0.0.0.0:9400" or "[::1]:9400"'
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(f"metricsAddress: {accepted}, got {address!r}")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            host = str(ipaddress.IPv6Address(host[1:-1]))
-        except ValueError as e:
-            raise ConfigError(f"metricsAddress: {accepted}, got {address!r} (bad IPv6 address)") from e
-    elif not host:
-        host = "0.0.0.0"
-    elif not _is_hostname(host):
-        raise ConfigError(f"metricsAddress: {accepted}, got {address!r} (bad host {host!r})")
-    return host, int(port_text)
-
-
-def _is_hostname(host: str) -> bool:
-    """A dotted IPv4 address or a DNS name (letters, digits, '-', '.'); no bare IPv6."""
-    if len(host) > 253 or not host.isascii():
-        return False
-    labels = host.split(".")
-    return all(label and len(label) <= 63 and label.replace("-", "").isalnum() for label in labels)

@@ -70,6 +70,28 @@ def prepare(pipe_dir: str, log_dir: str, binary: str = "nvidia-cuda-mps-control"
     remove_stale(pipe)
 
 
+def keep_log_target(pipe_dir: str) -> bool:
+    """Pods get /dev/null bound over ``<pipeDir>/log`` (mpsd/alloc/container.py), and a bind mount
+    needs its target: where no daemon has made its FIFO yet (not started, or in backoff after
+    remove_stale), an empty FIFO of root's (0600) stands in, so that a container created meanwhile
+    still starts. The daemon unlinks it and makes its own at its start, as after a crash. True when
+    the target is there; a pipe dir that is missing or not a directory is left to the supervisor."""
+    try:
+        fd = os.open(pipe_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        os.mkfifo("log", 0o600, dir_fd=fd)
+        return True
+    except FileExistsError:
+        return True
+    except OSError as exc:
+        log.warning("cannot create the log FIFO's stand-in in %s: %s", pipe_dir, exc.strerror or exc)
+        return False
+    finally:
+        os.close(fd)
+
+
 def _absolute(value: str, what: str) -> Path:
     path = Path(value)
     if not path.is_absolute():

@@ -151,6 +151,25 @@ def resolve(mode: str, binary: str, timeout: float, ask: Callable[[str, float], 
     return UidPolicy(False, (), f"multiUser auto: {answer.answer}")
 
 
+V3_OPTION = "-m"  # "MPS v3 Interface", Control Daemon Options: ``-m, --multiuser``
+
+
+def resolve_v3(mode: str, euid: int) -> UidPolicy:
+    """``multiUser`` under MPS v3: the v3 daemon's own ``-m`` (its Interface page lists it; not
+    v2's ``-multiuser-server``, which the v3 page does not list), from root only (Dynamo's guide:
+    "start the daemon as root in multi-user mode"); no probe is run. Without it each server
+    serves the UID the TOML's ``uid`` names (mpsd's own). ``on`` without root is a SetupError."""
+    if mode == "off":
+        return UidPolicy(False, (), "multiUser off (MPS v3: each server serves mpsd's UID, the file's uid)")
+    if euid == 0:
+        return UidPolicy(True, (V3_OPTION,), f"multiUser {mode}: MPS v3 daemon started with {V3_OPTION} as root")
+    if mode == "on":
+        raise SetupError(f"multiUser on: the MPS v3 daemon serves several UIDs only in multi-user mode ({V3_OPTION}), "
+                         f"started as root; mpsd runs as uid {euid} (expected root, or multiUser auto or off)")
+    return UidPolicy(False, (), f"multiUser auto: mpsd runs as uid {euid}, so each server serves that UID "
+                                "(the file's uid): MPS v3's multi-user mode needs root")
+
+
 def describe_policy(policy: UidPolicy) -> str:
     if policy.multi_user:
         return f"the daemon serves every UID from one root MPS server ({policy.reason})"
@@ -168,6 +187,8 @@ def daemon_is_multi_user(pid: int, proc: str = "/proc") -> bool | None:
             argv = f.read(1 << 16).split(b"\0")
     except OSError:
         return None
+    if b"-p" in argv and b"3" in argv or b"--protocol" in argv and b"3" in argv:  # a v3 daemon: its own option
+        return V3_OPTION.encode() in argv or b"--multiuser" in argv
     return OPTION.encode() in argv
 
 

@@ -153,7 +153,10 @@ class Supervisor:
     def _resolve_uid_policy(self) -> None:
         """multiUser against the binary (mpsd.daemon.multiuser): SetupError for ``on`` without support."""
         c = self.config
-        self._uid_policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
+        if self.v3 is not None:  # v3's own -m, no probe of v2's option (mpsd.daemon.multiuser.resolve_v3)
+            self._uid_policy = self.v3.uid_policy(c.multi_user)
+        else:
+            self._uid_policy = multiuser.resolve(c.multi_user, c.control_binary, c.health_timeout)
         # info: a client that does wait for another UID's server is warned about when it happens
         log.info("%s", multiuser.describe_policy(self._uid_policy))
         self._publish(multi_user=self._uid_policy.multi_user)
@@ -213,8 +216,8 @@ class Supervisor:
         try:
             self._wait_listening(self._daemon)
             self._refuse_impostor(self._daemon)
-            if self.v3 is not None:
-                self.v3.configure(self.config)
+            if self.v3 is not None:  # what it cannot read: /readyz says it, no restart
+                pending = self.v3.configure(self.config)
             else:
                 pending = self._defaults.start(self.control(), self.config, self._devices())
         except ControlError as exc:
@@ -225,7 +228,8 @@ class Supervisor:
             return
         self._verdict_at = time.monotonic()
         configured = not self._defaults.stale  # else set at the next health check
-        self.board.update(daemon_up=True, configured=configured, last_error=pending, unverified="")
+        self.board.update(daemon_up=True, configured=configured, last_error=pending,
+                          unverified=pending if self.v3 is not None else "")
         self._publish(state="running", pid=self._daemon.pid, last_error=pending, defaults_contested=0.0)
         self._next_at = time.monotonic() + self.config.health_interval
         log.info(

@@ -35,6 +35,7 @@ def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]], nvml=No
     if choice.protocol == 2:
         return V2Backend(paths)
     from .memory import CgroupLimits
+    from .owned3 import FILE, Owned
     from .toml3 import default_limits
     from .v3 import V3Backend
 
@@ -57,6 +58,7 @@ def build(config, choice: Choice, gpus: Callable[[], Sequence[GpuLike]], nvml=No
         shim=config.mps.shim,
         memory=memory,
         memory_problem=problem,
+        owned=Owned(os.path.join(config.state_dir, FILE)),
     )
     return backend
 

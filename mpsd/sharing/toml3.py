@@ -5,8 +5,9 @@
   defaults are: what a client that picks no namespace gets;
 - one namespace per slice, named ``m`` + 15 hex digits of the SHA-256 of the slice's key (an
   allocation ID, ``claim-<uid>``): short (the socket ``<pipe>/<server>/<ns>/control`` must fit
-  a unix socket address) and recognisable: a namespace of that form that no live slice names
-  is mpsd's to delete; any other is left alone;
+  a unix socket address) and within the Interface page's rule ("lowercase letters, digits, and
+  underscores only, up to 64 characters"). The shape does not make a namespace mpsd's: only
+  its journal does (mpsd/sharing/owned3.py), so an operator's namespace is never touched;
 - ``uid`` only where the daemon is not multi-user (then each server serves one UID).
 
 The file's keys are those NVIDIA's "MPS v3 Configuration File" page lists for release 615
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass, field
 
 from ..config import Config
@@ -27,7 +27,6 @@ from ..units import format_size_mps_control
 
 SCHEMA_VERSION = "1.0"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-_OURS = re.compile(r"m[0-9a-f]{15}")
 
 
 def server_name(index: int) -> str:
@@ -36,10 +35,6 @@ def server_name(index: int) -> str:
 
 def namespace_name(key: str) -> str:
     return "m" + hashlib.sha256(key.encode()).hexdigest()[:15]
-
-
-def is_ours(namespace: str) -> bool:
-    return _OURS.fullmatch(namespace) is not None
 
 
 def namespace_dir(pipe_dir: str, server: str, namespace: str) -> str:
@@ -82,7 +77,7 @@ def _limit_lines(limits: Limits3) -> list[str]:
     pairs = (("pinned_memory_limit", limits.pinned_memory_limit),
              ("active_thread_percentage", limits.active_thread_percentage),
              ("client_priority", limits.client_priority))
-    return [f"{k} = {_quote(v)}" for k, v in pairs if v != ""]
+    return [f"{k} = {_quote(v)}" for k, v in pairs if v]
 
 
 def render(servers: list[ServerSpec]) -> str:

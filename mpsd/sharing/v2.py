@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..daemon import dirs
 from ..errors import BackendError
 from ..alloc.container import HostPaths, container_env, container_mounts
 from ..units import format_size_mps_control
@@ -33,6 +34,7 @@ class V2Backend:
 
     def grant(self, request: SliceRequest) -> Grant:
         check_no_burst(request, BURST)
+        dirs.keep_log_target(self.paths.pipe_dir)  # the mount over the daemon's log FIFO needs it
         return self.edits(request)
 
     def release(self, key: str) -> None:

@@ -13,7 +13,12 @@ three ways: the TOML it starts with lists them (mpsd/sharing/toml3.py), grant an
 them at once when the daemon runs, and every health round reads them back and puts back what
 is missing or changed (``reconcile``, called by mpsd/lifecycle/v3.py): CLI changes are not
 saved by the daemon, so a restart, an operator or a pod with root's control socket would
-otherwise lose or change them.
+otherwise lose or change them. How a namespace is made, read back and removed is
+mpsd/sharing/namespaces3.py; which ones mpsd made (the only ones it deletes), owned3.py.
+
+A grant returns only once its namespace exists with its limits read back; with no daemon, or
+any step refused, it fails in one line and the kubelet retries (a container pointed at a socket
+that does not exist, or at a namespace without limits, would run without MPS's limits).
 
 A client reaches one server: a slice spans one GPU here (a claim or container with several
 GPUs is refused in one line). Memory above the namespace's limit is the driver's to refuse
@@ -25,11 +30,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from functools import partial
 from typing import Callable, Iterable, Sequence
 
-from ..daemon.control import CommandRejected
-from ..daemon.control3 import Control3, Limits3, Server3, same_limits
+from ..daemon.control3 import Control3, Limits3, Server3
 from ..errors import BackendError, ControlError, DaemonNotRunning
 from ..alloc.container import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, HostPaths
 from ..alloc.slicing import GpuLike, GpuShare
@@ -37,7 +40,9 @@ from ..units import format_limits, format_size_mps_control
 from . import Grant, SliceRequest
 from ..alloc.container import Mount
 from .memory import CgroupLimits, cgroup_of, find_pod_cgroup
-from .toml3 import ServerSpec, is_ours, limits, namespace_dir, namespace_name, render, server_name, socket_problem
+from .namespaces3 import Round, make, reconcile, remove
+from .owned3 import Owned
+from .toml3 import ServerSpec, limits, namespace_dir, namespace_name, render, server_name, socket_problem
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class V3Backend:
         shim: str = "auto",
         memory: CgroupLimits | None = None,
         memory_problem: str = "memory partitioning not checked",
+        owned: Owned | None = None,
     ) -> None:
         self.paths = paths
         self.control = control  # a front-end bounded by healthTimeout
@@ -67,8 +73,11 @@ class V3Backend:
         self.shim_mode = shim  # mps.shim: auto | on | off
         self.memory = memory  # the driver's limits per cgroup; None where it has none
         self.memory_problem = "" if memory is not None else memory_problem  # why not, for refusals and status
+        self.owned = owned or Owned(None)  # the namespaces mpsd made (journal in stateDir)
         self._lock = threading.Lock()
+        self._ns_lock = threading.Lock()  # one namespace change at a time: grant, release, a round
         self._live: dict[str, SliceRequest] = {}
+        self._leftover: dict[str, SliceRequest] = {}  # released, but the delete was refused: tried again
         self._enforced: set[str] = set()  # slices whose one pod's cgroup the driver limits since grant
         self._found: dict[str, set[str]] = {}  # device-plugin slices: cgroups found through their clients
 
@@ -155,17 +164,22 @@ class V3Backend:
             raise BackendError(f"{shown} above the guarantee cannot be enforced on this node: {self.memory_problem}")
 
     def grant(self, request: SliceRequest) -> Grant:
+        """The slice's namespace made and read back (mpsd/sharing/namespaces3.py), then the
+        driver's limits on its pods; BackendError in one line otherwise, nothing left behind."""
         self.check(request)
-        with self._lock:
-            self._live[request.key] = request
-        try:
-            self._ensure(self.control(), request)
-        except DaemonNotRunning as exc:  # the next start's TOML has it
-            log.warning("namespace not created yet, the daemon is not running key=%s error=%s", request.key, exc)
-        except ControlError as exc:
+        server, ns = self.place(request)
+        with self._ns_lock:
             with self._lock:
-                self._live.pop(request.key, None)
-            raise BackendError(f"{request.key}: {exc}") from exc
+                self._live[request.key] = request  # from now on a health round keeps it
+            try:
+                for note in make(self.control(), server, ns, self.namespace_limits(request), self.owned):
+                    log.warning("key=%s %s", request.key, note)
+            except ControlError as exc:
+                with self._lock:
+                    self._live.pop(request.key, None)
+                raise BackendError(f"{request.key}: namespace {server}/{ns} not ready: {exc}") from exc
+        log.info("namespace ready key=%s server=%s namespace=%s limits=%s", request.key, server, ns,
+                 self.namespace_limits(request))
         try:
             self._limit_pods(request)
         except BackendError:
@@ -226,8 +240,10 @@ class V3Backend:
         return notes
 
     def release(self, key: str) -> None:
+        """The slice's namespace gone, its clients ended first (they are the released slice's);
+        BackendError naming the namespace when the daemon refuses (tried again at the next call)."""
         with self._lock:
-            request = self._live.pop(key, None)
+            request = self._live.pop(key, None) or self._leftover.pop(key, None)
         self._enforced.discard(key)
         self._found.pop(key, None)
         if self.memory is not None:
@@ -236,11 +252,15 @@ class V3Backend:
             return
         server, ns = self.place(request)
         try:
-            self.control().namespace_delete(server, ns)
-            log.info("namespace deleted key=%s server=%s namespace=%s", key, server, ns)
-        except (DaemonNotRunning, CommandRejected) as exc:  # gone already, or with the daemon
-            log.info("namespace not deleted key=%s server=%s namespace=%s (%s)", key, server, ns, exc)
+            with self._ns_lock:
+                done = remove(self.control(), server, ns, self.owned)
+            log.info("namespace released key=%s server=%s namespace=%s: %s", key, server, ns, done)
+        except DaemonNotRunning as exc:  # gone with the daemon; its next start's file has no such namespace
+            self.owned.discard(server, ns)
+            log.info("namespace gone with the daemon key=%s server=%s namespace=%s (%s)", key, server, ns, exc)
         except ControlError as exc:
+            with self._lock:
+                self._leftover[key] = request
             raise BackendError(f"{key}: namespace {server}/{ns} not deleted: {exc}") from exc
 
     def adopt(self, requests: Iterable[SliceRequest]) -> None:
@@ -266,17 +286,6 @@ class V3Backend:
             except ControlError as exc:  # the daemon's next start or health round does it
                 log.info("namespaces of adopted slices wait for the daemon error=%s", exc)
 
-    def _ensure(self, control: Control3, request: SliceRequest) -> None:
-        server, ns = self.place(request)
-        want = self.namespace_limits(request)
-        try:
-            control.namespace_create(server, ns, want)
-            log.info("namespace created key=%s server=%s namespace=%s limits=%s", request.key, server, ns, want)
-        except CommandRejected as exc:
-            if "exists" not in str(exc):
-                raise
-            control.namespace_set(server, ns, want)  # a retry, or the same slice handed out again
-
     # -- the daemon's side (mpsd/lifecycle/v3.py) ----------------------------------------
 
     def wanted(self) -> dict[str, dict[str, Limits3]]:
@@ -292,6 +301,9 @@ class V3Backend:
     def toml(self) -> str:
         """The daemon's startup file: a server per managed GPU, the live slices' namespaces."""
         wanted = self.wanted()
+        for server, namespaces in wanted.items():  # the daemon makes them from the file: mpsd's
+            for ns in namespaces:
+                self.owned.add(server, ns)
         specs = [ServerSpec(server_name(g.index), g.uuid, self.uid, self.defaults, wanted.get(server_name(g.index), {}))
                  for g in self.gpus()]
         missing = sorted(set(wanted) - {s.name for s in specs})
@@ -299,50 +311,14 @@ class V3Backend:
             log.error("live slices on servers of GPUs NVML does not list servers=%s: not in the daemon's file", missing)
         return render(specs)
 
-    def reconcile(self, control: Control3, servers: list[Server3] | None = None) -> tuple[list[str], list[str]]:
-        """Read every managed server's namespaces back and make them the live slices': create
-        the missing, set the changed, delete mpsd's that no slice names; the default namespace
-        back to the config's defaults. (changes made, problems): a change the daemon refuses is
-        a problem, said and tried again next round; it is never a reason to restart the daemon
-        (a restart is what someone tampering would want)."""
+    def reconcile(self, control: Control3, servers: list[Server3] | None = None) -> Round:
+        """Every managed server's namespaces read back and made the live slices'
+        (mpsd/sharing/namespaces3.py): what was put back, refused, or could not be read. A
+        refusal is never a reason to restart the daemon (a restart is what tampering would want)."""
         servers = control.server_list() if servers is None else servers
-        wanted = self.wanted()
-        changes: list[str] = []
-        problems: list[str] = []
-
-        def attempt(note: str, action: Callable[[], None]) -> None:
-            try:
-                action()
-                changes.append(note)
-            except CommandRejected as exc:
-                problems.append(f"{note} failed: {exc}")
-
-        for server in servers:
-            mine = wanted.get(server.name, {})
-            have = {n.name: n.limits for n in control.namespace_list(server.name)}
-            if "default" in have and not same_limits(self.defaults, have["default"]):
-                attempt(f"{server.name}/default limits {_shown(have['default'])} restored",
-                        partial(control.namespace_set, server.name, "default", self.defaults))
-            for ns, want in sorted(mine.items()):
-                if ns not in have:
-                    attempt(f"{server.name}/{ns} missing, created",
-                            partial(control.namespace_create, server.name, ns, want))
-                elif not same_limits(want, have[ns]):
-                    attempt(f"{server.name}/{ns} limits {_shown(have[ns])} restored",
-                            partial(control.namespace_set, server.name, ns, want))
-            for ns in sorted(set(have) - set(mine)):
-                if is_ours(ns):
-                    attempt(f"{server.name}/{ns} of no live slice deleted",
-                            partial(control.namespace_delete, server.name, ns))
-        for name in sorted(set(wanted) - {s.name for s in servers}):
-            problems.append(f"server {name} not listed by the daemon: its {len(wanted[name])} namespace(s) wait")
-        return changes, problems
+        with self._ns_lock:
+            return reconcile(control, servers, self.wanted(), self.defaults, self.owned)
 
     def namespace_sockets(self) -> tuple[str, ...]:
         """The live namespaces' sockets, relative to the pipe dir (whom they are served by is checked)."""
         return tuple(os.path.join(server, ns, "control") for server, nss in self.wanted().items() for ns in nss)
-
-
-def _shown(limits: Limits3) -> str:
-    return (f"memory={limits.pinned_memory_limit or '-'} threads={limits.active_thread_percentage or '-'} "
-            f"priority={limits.client_priority or '-'}")

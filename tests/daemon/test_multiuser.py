@@ -184,10 +184,12 @@ def world(fake_cuda_dir):
 def start_client(world: Path, pipe_dir: str, uid: int, procs: list) -> subprocess.Popen:
     proc = subprocess.Popen(
         [str(world / "pending_client"), f"{pipe_dir}/control", str(world / "libcuda.so.1")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, user=uid, group=uid, extra_groups=[],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, user=uid, group=uid,
+        extra_groups=[],
     )
     procs.append(proc)
-    assert proc.stdout.readline() == f"pending {proc.pid}\n"
+    line = proc.stdout.readline()
+    assert line == f"pending {proc.pid}\n", (line, proc.stderr.read() if proc.poll() is not None else "running")
     return proc
 
 

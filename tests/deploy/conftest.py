@@ -81,6 +81,7 @@ PROFILES = {
     "tmpfs": "deploy/overlays/tmpfs",
     "monitoring": "deploy/overlays/monitoring",
     "dra": "deploy/overlays/dra",
+    "mig": "deploy/overlays/mig",
     "dra-hostipc": None,
     "owned": None,
 }

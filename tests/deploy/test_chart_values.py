@@ -98,7 +98,8 @@ def test_the_holder_has_its_own_image() -> None:
      "additional properties 'requiredDuringSchedulingIgnoredDuringExecution' not allowed"),
     (["runtimeClassName=Nvidia_GPU"], "at '/runtimeClassName'"),
     (["nodeSelector.gpu=true"], "at '/nodeSelector/gpu'"),  # --set makes a boolean: labels are strings
-    (["config.metricsAddress=:99999"], "config.metricsAddress: \":99999\": port 99999 is outside 1-65535"),
+    (["config.metricsAddress=:99999"], "at '/config/metricsAddress': ':99999' does not match pattern"),
+    (["config.metricsAddress=:0"], "config.metricsAddress: \":0\": port 0 is outside 1-65535"),  # mpsd's free port
     (["regionTmpfs.size=999999999999999Gi"], "regionTmpfs.size: 999999999999999Gi is over 1Ti (1024Gi)"),
     (["ipcMode=tmpfs", "shmTmpfs.size=1025G"], "shmTmpfs.size: 1025G is over 1Ti (1024Gi)"),
 ])

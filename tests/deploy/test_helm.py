@@ -188,10 +188,32 @@ def test_exclusive_process_adds_sys_admin_to_mpsd_only() -> None:
     assert "SYS_ADMIN" in caps["mpsd"] and "SYS_ADMIN" not in caps["mpsd-holder"]
 
 
+@pytest.mark.parametrize("profile", ["hostipc", "dra", "owned"])
+def test_mig_privileged_gives_mpsd_only_the_mig_monitor_and_sys_admin(profile: str) -> None:
+    # As deploy/components/mig: the env var and SYS_ADMIN on mpsd (never the holder), once with
+    # exclusiveProcess too; nothing of it by default.
+    def mpsd_and_holder(*sets: str) -> list[dict[str, Any]]:
+        daemonsets = sorted((o for o in helm_template(profile, *sets) if o["kind"] == "DaemonSet"),
+                            key=lambda o: o["metadata"]["name"] != "mpsd")
+        return [o["spec"]["template"]["spec"]["containers"][0] for o in daemonsets]
+
+    for sets in (["mig.privileged=true"], ["mig.privileged=true", "config.exclusiveProcess=true"]):
+        mpsd, *holder = mpsd_and_holder(*sets)
+        assert {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"} in mpsd["env"]
+        assert mpsd["securityContext"]["capabilities"]["add"].count("SYS_ADMIN") == 1
+        for c in holder:
+            assert "SYS_ADMIN" not in c["securityContext"]["capabilities"]["add"]
+            assert "NVIDIA_MIG_MONITOR_DEVICES" not in {e["name"] for e in c["env"]}
+    mpsd, *_ = mpsd_and_holder()
+    assert "NVIDIA_MIG_MONITOR_DEVICES" not in {e["name"] for e in mpsd["env"]}
+    assert "SYS_ADMIN" not in mpsd["securityContext"]["capabilities"]["add"]
+
+
 @pytest.mark.parametrize("sets, message", [
     (["mode=deviceplugin"], "at '/mode': value must be one of 'devicePlugin', 'dra'"),
     (["ipcMode=none"], "at '/ipcMode': value must be one of 'hostIPC', 'tmpfs'"),
     (["holdr.enabled=false"], "additional properties 'holdr' not allowed"),
+    (["mig.privileged=yes"], "at '/mig/privileged': got string, want boolean"),
     (["regionTmpfs.size=1Tb"], "'/regionTmpfs/size': '1Tb' does not match pattern"),
     (["config.daemonLifecycle=owned"], "config.daemonLifecycle: owned contradicts holder.enabled true"),
     (["holder.enabled=false", "config.daemonLifecycle=independent"],

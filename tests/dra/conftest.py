@@ -305,3 +305,14 @@ class StandInKubelet:
             watch.close()
         for ch in self.channels:
             ch.close()
+
+
+@pytest.fixture(autouse=True)
+def no_host_nvidia_specs(monkeypatch, tmp_path_factory) -> None:
+    """NVIDIA's CDI specs are read from /etc/cdi and /var/run/cdi (mpsd/dra/nvidiacdi.py): here from
+    empty directories of the test's own, so that a node's specs (scripts/cluster.sh writes one) do
+    not change what a claim's container gets. Tests of those specs pass their directories."""
+    from mpsd.dra import service
+
+    empty = tmp_path_factory.mktemp("no-nvidia-cdi")
+    monkeypatch.setattr(service, "DEFAULT_CDI_DIRS", (str(empty / "etc"), str(empty / "run")))

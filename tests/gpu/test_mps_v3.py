@@ -68,8 +68,9 @@ def test_the_drivers_binary_speaks_v3(control, record):
 
 @needs_v3
 def test_mpsd_runs_a_v3_daemon_with_namespaces(control, record):
-    """mpsd's TOML taken, its verbs and their CSV parsed, a namespace made and its socket there."""
-    from mpsd.daemon.control3 import Control3, Limits3
+    """mpsd's TOML taken, its verbs and their CSV parsed (each list verb's raw answer recorded in
+    three forms), a namespace created, set, read back, its socket there, and deleted."""
+    from mpsd.daemon.control3 import Control3, Limits3, differences
 
     base = Path(tempfile_short())
     pipe = base / "pipe"
@@ -82,16 +83,26 @@ def test_mpsd_runs_a_v3_daemon_with_namespaces(control, record):
         while not (pipe / "g0").is_dir() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
         c = Control3(control, str(pipe), str(base / "log"), timeout=30)
-        raw = {verb: c.run(*verb.split(), "--format=csv,noheader") for verb in ("server list", "client list --all")}
-        raw["namespace list"] = c.run("namespace", "list", "--server=g0", "--format=csv,noheader")
+        raw = {}  # what the real binary answers, in both forms mpsd may meet (docs/mps-v3.md's table)
+        for verb in ("server list", "client list --all", "namespace list --server=g0"):
+            for form in ("--format=csv", "--format=csv,noheader", "--format=table"):
+                try:
+                    raw[f"{verb} {form}"] = c.run(*verb.split(), form)
+                except Exception as exc:  # recorded: a refusal is an answer too
+                    raw[f"{verb} {form}"] = f"refused: {exc}"
         record(raw=raw, toml=(base / "state" / "mps-v3.toml").read_text())
         servers = c.server_list()
-        assert [s.name for s in servers][:1] == ["g0"]
-        c.namespace_create("g0", "mgpucheck000001", Limits3("1G", "25", "0"))
+        record(servers=[str(s) for s in servers])
+        assert [s.name for s in servers][:1] == ["g0"] and all(s.known for s in servers)
+        c.namespace_create("g0", "mgpucheck000001")  # the page: create, then set
+        c.namespace_set("g0", "mgpucheck000001", Limits3("1G", "25", "0"))
         listed = {n.name: n.limits for n in c.namespace_list("g0")}
-        record(namespaces={k: str(v) for k, v in listed.items()})
-        assert listed["mgpucheck000001"].pinned_memory_limit in ("1G", "1024M")
+        got = {f: c.namespace_get("g0", "mgpucheck000001", f) for f in ("pinned-memory-limit", "client-priority")}
+        record(namespaces={k: str(v) for k, v in listed.items()}, get=got)
+        assert differences(Limits3("1G", "25", "0"), listed["mgpucheck000001"]) in ([], ["client-priority unknown"])
         assert (pipe / "g0" / "mgpucheck000001" / "control").exists()
+        c.namespace_delete("g0", "mgpucheck000001")
+        assert "mgpucheck000001" not in {n.name for n in c.namespace_list("g0")}
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)

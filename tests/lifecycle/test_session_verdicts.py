@@ -46,6 +46,17 @@ while not os.path.exists(release) and time.monotonic() < deadline:
 """
 
 
+def gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie (its parent exited, so whoever inherits it reaps it
+    when it will: in a container that may be never). Its sockets are closed either way."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(b")") + 2:].startswith(b"Z")
+
+
 class ForkedHolder:
     """A UID-1000 front-end that connected to ``control`` and left the session to its child."""
 
@@ -66,7 +77,7 @@ class ForkedHolder:
         """The child lets go (it closes the session by exiting); SIGKILLed if it does not."""
         self.release_file.touch()
         try:
-            wait_until(lambda: not os.path.exists(f"/proc/{self.child}"), what="the holder gone")
+            wait_until(lambda: gone(self.child), what="the holder gone")
         finally:
             try:
                 os.kill(self.child, signal.SIGKILL)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mpsd.alloc.container import HostPaths, container_mounts
+from mpsd.daemon import dirs
 from mpsd.alloc.slicing import plan_allocation
 from tests.container import HOST_LIBS, Mount
 from tests.mpsbin import FetchError, ensure_mps_control
@@ -51,6 +52,7 @@ def pod_mounts(shm: Path, tmp: Path, name: str) -> list[Mount]:
     paths = HostPaths(pipe_dir=str(pipe), region_dir=str(region.parent), shim_host_dir=str(tmp / "lib"),
                       ipc_mode="tmpfs", shm_dir=str(shm))
     plan = plan_allocation([f"{gpus(80)[0].uuid}::0"], gpus(80), 10)
+    dirs.keep_log_target(str(pipe))  # as the backend's grant does: the target of the mount over `log`
     mounts = [Mount(m.host, m.container, m.read_only) for m in container_mounts(plan, paths, str(region))]
     assert Mount(str(shm), "/dev/shm", read_only=False) in mounts
     return mounts

@@ -119,11 +119,15 @@ def test_device_plugin_allocations_are_namespaces_kept_as_allocated(node, plugin
         # its limits changed: put back
         backend.control().namespace_set("g0", ns, Limits3(pinned_memory_limit="70G", active_thread_percentage="100"))
         assert wait_for(lambda: namespaces(backend)[ns] == Limits3("16G", "20", ""))
-        # a namespace of mpsd's form that no allocation names: deleted; someone else's: left
-        backend.control().namespace_create("g0", "m0123456789abcde", Limits3())
-        backend.control().namespace_create("g0", "operator", Limits3())
-        assert wait_for(lambda: "m0123456789abcde" not in namespaces(backend))
-        assert "operator" in namespaces(backend)
+        # a namespace mpsd's journal names that no allocation does: deleted; an operator's, even of
+        # mpsd's name shape: left alone
+        backend.owned.add("g0", "m00000000000000f")
+        backend.control().namespace_create("g0", "m00000000000000f")
+        backend.control().namespace_create("g0", "m0123456789abcde")
+        backend.control().namespace_create("g0", "operator")
+        assert wait_for(lambda: "m00000000000000f" not in namespaces(backend))
+        assert {"operator", "m0123456789abcde"} <= set(namespaces(backend))
+        assert wait_for(lambda: not backend.owned.has("g0", "m00000000000000f"))  # after its read-back
 
         # the daemon killed: restarted with the namespace in its file, before any health round
         pid = running.sup.status().pid
@@ -155,18 +159,24 @@ def test_a_restarted_mpsd_recreates_the_journaled_namespaces(node, plugin, short
     assert namespaces(backend, "g1")[ns] == Limits3("4G", "10", "")
 
 
-def test_dra_claims_get_a_namespace_and_lose_it_at_unprepare(node, short_tmp):
-    config, backend, running = node()
-    up(running)
+def preparer_for(config, backend, tmp: Path) -> tuple[Preparer, Claims]:
+    """A DRA Preparer on ``backend`` with claim u1 (10Gi on gpu-1, clientPriority 1) to prepare."""
     claims = Claims()
-    preparer = Preparer(driver="gpu.mpsd.io", node="node-a", pool="node-a", gpus=GPUS, slices_per_gpu=4,
-                        paths=host_paths(config), cdi_dir=CdiDir(str(short_tmp / "cdi")),
-                        store=StateStore(str(short_tmp / "state" / "dra.json"), record=PreparedClaim),
-                        get_claim=claims, dev_dir=str(short_tmp), backend=backend)
-    preparer.store.load()
+    p = Preparer(driver="gpu.mpsd.io", node="node-a", pool="node-a", gpus=GPUS, slices_per_gpu=4,
+                 paths=host_paths(config), cdi_dir=CdiDir(str(tmp / "cdi")),
+                 store=StateStore(str(tmp / "state" / "dra.json"), record=PreparedClaim),
+                 get_claim=claims, dev_dir=str(tmp), backend=backend)
+    p.store.load()
     claims.put(claim(uid="u1", results=[result(device="gpu-1", memory="10Gi")],
                      config=[{"source": "FromClaim", "opaque": {"driver": "gpu.mpsd.io", "parameters": {
                          "apiVersion": "gpu.mpsd.io/v1alpha1", "kind": "ClaimConfig", "clientPriority": 1}}}]))
+    return p, claims
+
+
+def test_dra_claims_get_a_namespace_and_lose_it_at_unprepare(node, short_tmp):
+    config, backend, running = node()
+    up(running)
+    preparer, claims = preparer_for(config, backend, short_tmp)
     from mpsd.dra.claims import ClaimRef
 
     rec = preparer.prepare(ClaimRef("ns", "c1", "u1"))
@@ -190,11 +200,11 @@ def test_dra_claims_get_a_namespace_and_lose_it_at_unprepare(node, short_tmp):
 def test_a_server_in_fault_marks_only_its_gpu(node):
     config, backend, running = node()
     up(running)
-    backend.control().run("_fake", "fault", "--server=g1")
+    backend.control().run("_fake", "status", "--server=g1", "--status=FAULT")
     state = running.wait_for(lambda st: st.faulted_gpus, what="FAULT seen")
     assert state.faulted_gpus == frozenset({1}) and state.gpu_healthy(0) and not state.gpu_healthy(1)
     assert "g1 in FAULT" in state.last_error
-    backend.control().run("_fake", "recover", "--server=g1")
+    backend.control().run("_fake", "status", "--server=g1", "--status=Ready")
     running.wait_for(lambda st: not st.faulted_gpus, what="FAULT cleared")
 
 

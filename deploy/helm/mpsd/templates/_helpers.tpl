@@ -168,7 +168,8 @@ Arguments: dict "root" $ "name" "region-tmpfs" "path" PATH "tmpfs" (size, inodes
 
 {{/*
 The daemon's capabilities and user, shared by mpsd's and the holder's containers (deploy/README.md,
-"Privileges"); SYS_ADMIN is added for exclusiveProcess (a compute-mode change is an admin call).
+"Privileges"); SYS_ADMIN is added for exclusiveProcess (a compute-mode change is an admin call)
+and for mig.privileged (the toolkit's MIG monitor capability needs it), to mpsd only.
 */}}
 {{- define "mpsd.securityContext" -}}
 # Not privileged: GPU access comes from the NVIDIA runtime (env above).
@@ -183,10 +184,10 @@ allowPrivilegeEscalation: false
 # KILL (signal servers of other UIDs), CHOWN, FOWNER, DAC_OVERRIDE (files of other UIDs in the
 # pipe, log and region dirs), SYS_PTRACE for mpsd (read the sessions held on an adopted daemon's
 # control sockets: without it a silent daemon is only reported, never judged hung, docs/security.md),
-# and SYS_ADMIN with exclusiveProcess (nvidia-smi -c).
+# and SYS_ADMIN with exclusiveProcess (nvidia-smi -c) or mig.privileged (NVML's MIG view, docs/mig.md).
 capabilities:
   drop: ["ALL"]
-  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_PTRACE") (list) (default false .ptrace)) (ternary (list "SYS_ADMIN") (list) (and .exclusive true)) | toJson }}
+  add: {{ concat (list "SETUID" "SETGID" "KILL" "CHOWN" "FOWNER" "DAC_OVERRIDE") (ternary (list "SYS_PTRACE") (list) (default false .ptrace)) (ternary (list "SYS_ADMIN") (list) (or (and .exclusive true) (default false .mig))) | toJson }}
 {{- if .dra }}
 # SELinux: the reference DRA drivers run privileged (spc_t); mpsd takes that domain only, so it may
 # write the kubelet's plugin directories and /var/run/cdi on an enforcing node (docs/security.md).
