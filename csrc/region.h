@@ -87,7 +87,8 @@ int ms_region_reclaim(ms_region *r);
 struct sigaction;
 int ms_region_sigbus_action(const struct sigaction *act, struct sigaction *old);
 
-/* Read-only snapshot for tools (shim.usage() reaches it through the exported mpsshim_usage). */
+/* Read-only snapshot for tools (shim.usage() reaches it through the exported mpsshim_usage).
+ * A layout-2 file (the shim before reserves) is read too, never mapped (region_legacy.c). */
 #define MS_SNAPSHOT_MAX_PROCS 256
 typedef struct ms_proc_usage {
     int32_t pid;   /* as the owning process saw itself */
@@ -103,6 +104,9 @@ typedef struct ms_snapshot {
     ms_proc_usage procs[MS_SNAPSHOT_MAX_PROCS];
 } ms_snapshot;
 
+/* The size of a file of `layout` that the snapshot reads (MS_LAYOUT_VERSION and 2), else 0. */
+size_t ms_region_file_size(uint32_t layout);
+
 int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t errlen);
 /* The same for a region the caller has opened and checked itself (a reader of files others can
  * swap: open the name once, check it, read that file); the descriptors stay the caller's. `fd`
@@ -112,7 +116,9 @@ int ms_region_snapshot_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size
 /* The same with MS_OPEN_OWNED or 0 (as for ms_region_open_ex). */
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen);
 
-/* --- The file (layout version 3; bump MS_LAYOUT_VERSION on any change) ---
+/* --- The file (layout version 3; bump MS_LAYOUT_VERSION on any change of the file or of the
+ * protocol on it: mpsd installs the library as libmpsshim.so.<layout>, and replaces that file
+ * only with a build that every process already preloading it can share a region with) ---
  * A header, per-device totals, then MS_SLOTS process slots of MS_LANES lanes each; the whole
  * file is sizeof(ms_hdr) bytes. The crash-consistency argument is at the top of region_ops.h.
  *  - used[d] is a 16-byte word {bytes counted, tag of the operation that last changed it},

@@ -128,8 +128,16 @@ int ms_fail(char *err, size_t errlen, int fd, void *map, const char *fmt, ...) _
  * its descriptor and mapping, or -1 and a reason. */
 int ms_map(const char *path, int writable, unsigned mode, unsigned flags, int *fdp, ms_hdr **hp, char *err,
            size_t errlen);
-/* Check and map the open region `fd` (named `path` in messages); on failure fd is closed. */
+/* Check and map the open region `fd` (named `path` in messages); on failure fd is closed.
+ * With MS_MAP_LEGACY in flags (readers only), a layout-2 file is neither checked nor mapped:
+ * MS_MAP_LEGACY is returned, fd left open, for ms_legacy_snapshot. */
+#define MS_MAP_LEGACY 0x100u
 int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **hp, char *err, size_t errlen);
+
+/* region_legacy.c */
+/* Snapshot of the layout-2 file on fd (read, not mapped; liveness tested on lock_fd); 0, or -1
+ * and a reason. fd stays the caller's. */
+int ms_legacy_snapshot(int fd, int lock_fd, ms_snapshot *out, const char *path, char *err, size_t errlen);
 
 /* Fault injection (test builds, -DMS_FAULT_INJECT): MS_FAULT("step") kills the process with
  * SIGKILL when MPSSHIM_FAULT names that step ("step" or "step:N" for its Nth passage; a
