@@ -34,7 +34,8 @@ from typing import Callable, Iterable, Sequence
 
 from ..daemon.control3 import Control3, Limits3, Server3
 from ..errors import BackendError, ControlError, DaemonNotRunning
-from ..alloc.container import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, HostPaths
+from ..alloc.container import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM_DIR, HostPaths
+from ..alloc.shimfile import container_shim
 from ..alloc.slicing import GpuLike, GpuShare
 from ..units import format_limits, format_size_mps_control
 from . import Grant, SliceRequest
@@ -108,7 +109,7 @@ class V3Backend:
         }
         mounts = [Mount(self.paths.pipe_dir, self.paths.pipe_dir, True)]  # read-only: see mpsd/alloc/container.py
         if self.shim(request):
-            env["LD_PRELOAD"] = CONTAINER_SHIM
+            env["LD_PRELOAD"] = container_shim(request.shim)
             env["MPSSHIM_REGION"] = CONTAINER_REGION
             mounts += [Mount(request.region_dir, CONTAINER_REGION_DIR, False),
                        Mount(self.paths.shim_host_dir, CONTAINER_SHIM_DIR, True)]
