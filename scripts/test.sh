@@ -16,6 +16,15 @@ for pair in cc:gcc make:make valgrind:valgrind dpkg-deb:dpkg mount:mount mkfs.ex
         podman:podman runc:runc promtool:prometheus prometheus:prometheus openssl:openssl cppcheck:cppcheck; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
+# The real one-node cluster's tier (tests/cluster, on with MPSD_CLUSTER=1 as in .ci/run):
+# scripts/cluster.sh's bridge, iptables rules and mpsd's image (mmdebstrap, a static pause binary).
+if [ "${MPSD_CLUSTER:-}" = 1 ]; then
+    for pair in iptables:iptables ip:iproute2 mmdebstrap:mmdebstrap findmnt:util-linux; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
+    done
+    [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
+    command -v go >/dev/null 2>&1 || { echo "test.sh: MPSD_CLUSTER=1 needs Go (1.26) on PATH to build the cluster's components" >&2; exit 1; }
+fi
 for pkg in busybox-static debian-archive-keyring; do  # the keys: each Debian suite tests/mpsbin.py fetches
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || need+=("$pkg")
 done

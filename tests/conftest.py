@@ -156,6 +156,19 @@ def mps_control(mps_version: str) -> Path:
         pytest.fail(f"cannot fetch the real nvidia-cuda-mps-control {mps_version}: {exc}", pytrace=False)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real cluster's tier (tests/cluster) runs last: .ci/run builds its components in the
+    background while everything else runs (scripts/cluster/build.sh), so the tier starts when
+    the build is most likely done; the order within each part is kept."""
+    last = [item for item in items if _in_cluster_tier(item)]
+    if last:
+        items[:] = [item for item in items if not _in_cluster_tier(item)] + last
+
+
+def _in_cluster_tier(item: pytest.Item) -> bool:
+    return (REPO / "tests" / "cluster") in Path(str(item.path)).parents
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"real MPS daemon versions: {', '.join(_mps_versions())} ({'MPSD_TEST_MPS_VERSIONS'} selects; all: CI)"
 

@@ -12,6 +12,14 @@ command -v go >/dev/null || { echo "build.sh: go not found on PATH (Go 1.26 buil
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 nice=(nice -n "${MPSD_CLUSTER_NICE:-19}")
 mkdir -p "$cache/src" "$cache/bin"
+# One build at a time per cache: .ci/run starts one in the background while the suite runs, and
+# tests/cluster's `cluster.sh up` then waits here for it (a cold build: tens of minutes) rather than
+# building the same modules beside it.
+exec 9>"$cache/.build.lock"
+if ! flock -n 9; then
+    echo "waiting for the build already running in $cache (at most ${MPSD_CLUSTER_BUILD_WAIT:-3600} s)" >&2
+    flock -w "${MPSD_CLUSTER_BUILD_WAIT:-3600}" 9 || { echo "build.sh: another build held $cache/.build.lock for ${MPSD_CLUSTER_BUILD_WAIT:-3600} s" >&2; exit 1; }
+fi
 
 # build NAME VERSION MODULE_DIR LDFLAGS PACKAGE... : go build the packages into bin/NAME-VERSION
 build() {
