@@ -332,9 +332,12 @@ def test_threads_and_processes_never_overshoot(core_bin: Path, repl: Repl, tmp_p
 
 # --- property: the region against a model, with real processes dying ---
 
+# One cap per device for the whole program, as mpsd sets them (one per container, the same in each
+# of its processes): a thread may charge from a reserve it took under its cap (docs/shim.md), so a
+# cap that changed between two calls of one process is not a case the region promises anything for.
 CAPS = [0, 100, 1000, MAX]
 ops = st.one_of(
-    st.tuples(st.just("charge"), st.integers(0, 2), st.integers(0, 1), st.sampled_from(CAPS), st.integers(0, 700)),
+    st.tuples(st.just("charge"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 700)),
     st.tuples(st.just("uncharge"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 700)),
     st.tuples(st.just("kill"), st.integers(0, 2)),
     st.tuples(st.just("reclaim"), st.integers(0, 2)),
@@ -377,9 +380,9 @@ class Model:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(program=st.lists(ops, max_size=25))
+@given(caps=st.tuples(st.sampled_from(CAPS), st.sampled_from(CAPS)), program=st.lists(ops, max_size=25))
 def test_matches_a_model_with_processes_dying(
-    core_bin: Path, tmp_path_factory: pytest.TempPathFactory, program: list[tuple[object, ...]]
+    core_bin: Path, tmp_path_factory: pytest.TempPathFactory, caps: tuple[int, int], program: list[tuple[object, ...]]
 ) -> None:
     path = tmp_path_factory.mktemp("prop") / "region"
     model = Model()
@@ -396,7 +399,8 @@ def test_matches_a_model_with_processes_dying(
         for op in program:
             kind, i = op[0], int(op[1])  # type: ignore[call-overload]
             if kind == "charge":
-                _, _, dev, cap, n = op
+                _, _, dev, n = op
+                cap = caps[dev]  # type: ignore[index]
                 assert proc(i).ask(f"charge {dev} {cap} {n}") == model.charge(i, dev, cap, n)  # type: ignore[arg-type]
             elif kind == "uncharge":
                 _, _, dev, n = op
