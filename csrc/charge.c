@@ -108,7 +108,7 @@ CUresult ms_charge_begin(const char *fn, int dev, uint64_t bytes, ms_charge *c)
     if (s->region == NULL) /* the one line was printed when the region failed to open */
         return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t in_use = 0;
-    int r = ms_region_charge(s->region, dev, cap, bytes, &in_use);
+    int r = ms_region_charge_q(s->region, dev, cap, bytes, &in_use);
     if (r != MS_OK)
         return ms_charge_refused(fn, dev, cap, in_use, bytes, r);
     c->charged = 1;

@@ -61,7 +61,7 @@ CUresult ms_hk_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width
         if (actual > estimate) {
             uint64_t in_use = 0;
             ms_region *r = ms_state_get()->region;
-            if (ms_region_charge(r, c.dev, c.cap, actual - estimate, &in_use) != MS_OK) {
+            if (ms_region_charge_q(r, c.dev, c.cap, actual - estimate, &in_use) != MS_OK) {
                 ms_undo_alloc(MS_UNDO_FREE_V2, *dptr);
                 ms_uncharge(c.dev, estimate);
                 return ms_charge_refused("cuMemAllocPitch_v2", c.dev, c.cap, in_use, actual, MS_OVER_CAP);

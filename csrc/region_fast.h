@@ -4,8 +4,9 @@
  * parts are calls out of line (region_charge.c): a thread's first charge on a handle, a forked
  * child's first use of an inherited one, threads beyond the lanes, reclaiming dead processes
  * before refusing. Nothing here checks more than it must per call: the file's layout and totals
- * are checked when it is opened (ms_check_totals), the magic word (ms_intact, one load) before
- * and after each operation. */
+ * are checked when it is opened (ms_check_totals), the magic word (ms_intact, one load) after
+ * each charge's CAS and before each give-back. The common charge and free touch only the
+ * calling thread's lane (its reserve, region_ops.h) and its row of held[]. */
 #ifndef MPSSHIM_REGION_FAST_H
 #define MPSSHIM_REGION_FAST_H
 
@@ -22,6 +23,8 @@ typedef struct ms_tl {
     unsigned long id;
     ms_lane *L;
     uint64_t me;
+    uint64_t *held;  /* the lane's row of the handle's held[][] */
+    uint32_t rsvdev; /* MS_PDEV_RSV(0, me): the lane's own reserves in pdev */
 } ms_tl;
 extern __thread ms_tl ms_mine __attribute__((tls_model("initial-exec"), visibility("hidden")));
 
@@ -51,92 +54,87 @@ static inline void ms_help_me(ms_hdr *h, uint64_t tag, uint64_t me) {
 /* Step 1 of an operation of this lane's (region_ops.h). pkind is MS_OP_SHARE for all of a live
  * lane's operations, written when a thread takes the lane (ms_enter_slow); pdelta is written by
  * repairs only (informational). */
-static inline uint64_t ms_announce_share(ms_lane *L, int dev, uint64_t pnew) {
+static inline uint64_t ms_announce_share(ms_lane *L, uint32_t pdev, uint64_t pnew) {
     uint64_t seq = ms_ld(&L->dseq) + 1;
-    __atomic_store_n(&L->pdev, (uint32_t)dev, __ATOMIC_RELAXED);
+    __atomic_store_n(&L->pdev, pdev, __ATOMIC_RELAXED);
     ms_st(&L->pnew, pnew);
     __atomic_store_n(&L->pseq, seq, __ATOMIC_RELEASE);
     return seq;
 }
 
-/* Steps 3 and 4 of a charge whose CAS took `val` to val + bytes. */
-static inline __attribute__((always_inline)) int ms_charge_done(ms_region *r, ms_lane *L, int dev, uint64_t bytes,
-                                                                uint64_t val, uint64_t seq, uint64_t pnew,
-                                                                uint64_t *in_use) {
-    MS_FAULT("charge.applied");
-    MS_MIDOP();
-    ms_st(&L->share[dev], pnew);
-    MS_FAULT("charge.folded");
-    __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
-    if (!ms_intact(r->hdr)) return MS_ERROR; /* lost on the way: what was charged went with the file */
-    __atomic_add_fetch(&r->held[dev], bytes, __ATOMIC_RELAXED);
-    if (in_use) *in_use = val + bytes;
-    return MS_OK;
-}
+/* Out of line (region_charge.c): a charge its lane's reserve could not cover (a batch, or the
+ * exact path on the device's word; taking reserves back and reclaiming the dead before
+ * refusing), and a give-back that does not go into the reserve (`take`: what was already
+ * taken from held[], 0 when not yet). */
+int ms_charge_refill(ms_region *r, ms_lane *L, uint64_t me, uint64_t *held, int dev, uint64_t cap, uint64_t bytes,
+                     uint64_t *in_use) __attribute__((visibility("hidden")));
+uint64_t ms_uncharge_rest(ms_region *r, ms_lane *L, uint64_t me, uint64_t *held, int dev, uint64_t bytes,
+                          uint64_t take) __attribute__((visibility("hidden")));
 
-/* Steps 3 and 4 of a give-back of `take`. */
-static inline __attribute__((always_inline)) uint64_t ms_uncharge_done(ms_lane *L, int dev, uint64_t bytes,
-                                                                       uint64_t take, uint64_t seq, uint64_t pnew) {
-    MS_FAULT("uncharge.applied");
-    MS_MIDOP();
-    ms_st(&L->share[dev], pnew);
-    MS_FAULT("uncharge.folded");
-    __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
-    return bytes - take;
-}
-
-/* Out of line (region_charge.c): the rest of a charge whose first try did not go through (a CAS
- * lost to another thread or process, or no room: reclaim the dead, then refuse); `seq` is the
- * operation already announced (0: none), `pnew` its new share. */
-int ms_charge_retry(ms_region *r, ms_lane *L, uint64_t me, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use,
-                    uint64_t seq, uint64_t pnew) __attribute__((visibility("hidden")));
-/* The same for a give-back: clamped to what the process holds (held[] not yet taken when
- * seq == 0), or with its CAS lost. */
-uint64_t ms_uncharge_retry(ms_region *r, ms_lane *L, uint64_t me, int dev, uint64_t bytes, uint64_t seq,
-                           uint64_t take, uint64_t pnew) __attribute__((visibility("hidden")));
-
-/* A charge on lane L (me: its tag bits) of this process's slot; the caller holds the lane. The
- * common case in a line: room, our own tag (or help its owner), announce, one CAS. */
-static inline __attribute__((always_inline)) int ms_charge_op(ms_region *r, ms_lane *L, uint64_t me, int dev,
-                                                              uint64_t cap, uint64_t bytes, uint64_t *in_use) {
-    /* A file shrunk (region_guard.c: the mapping is private zero pages) or zeroed under us is
-     * caught by ms_charge_done's check after the CAS, before anything counts the charge: a
-     * check before it too would only make the same refusal earlier. */
-    ms_hdr *h = r->hdr;
-    if (ms_ld(&h->cap[dev]) != cap) ms_st(&h->cap[dev], cap);
-    ms_word *w = &h->used[dev];
-    uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), val = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
-    uint64_t seq = 0, pnew = 0;
-    if (__builtin_expect(bytes <= cap && val <= cap - bytes, 1)) {
-        ms_help_me(h, tag, me);
-        pnew = ms_ld(&L->share[dev]) + bytes;
-        seq = ms_announce_share(L, dev, pnew);
-        MS_FAULT("charge.announced");
-        if (__builtin_expect(ms_cas(w, val, tag, val + bytes, seq << 12 | me), 1))
-            return ms_charge_done(r, L, dev, bytes, val, seq, pnew, in_use);
+/* A charge on lane L (me: its tag bits; held: its row of r->held) of this process's slot; the
+ * caller holds the lane. The common case in a line: the lane's own reserve covers it (our own
+ * tag on it, or help whoever took it last), announce, one CAS on a word no other core writes. */
+static inline __attribute__((always_inline)) int ms_charge_op(ms_region *r, ms_lane *L, uint64_t me, uint64_t *held,
+                                                              uint32_t rsvdev, int dev, uint64_t cap, uint64_t bytes, uint64_t *in_use) {
+    if (__builtin_expect(dev < MS_RSV_DEVS, 1)) {
+        ms_rword *w = &L->rsv[dev];
+        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), v = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+        if (__builtin_expect(bytes - 1 < v, 1)) { /* 1 <= bytes <= v: a charge of 0 checks the cap */
+            ms_hdr *h = r->hdr;
+            ms_help_me(h, tag, me);
+            uint64_t pnew = ms_ld(&L->share[dev]) + bytes, seq = ms_announce_share(L, (rsvdev | (uint32_t)dev), pnew);
+            MS_FAULT("reserve.announced");
+            if (__builtin_expect(ms_rcas(w, v, tag, v - bytes, seq << 12 | me), 1)) {
+                MS_FAULT("reserve.applied");
+                MS_MIDOP();
+                ms_st(&L->share[dev], pnew);
+                MS_FAULT("reserve.folded");
+                __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
+                /* a file shrunk (region_guard.c: private zero pages) or zeroed under us: what
+                 * was charged went with it */
+                if (!ms_intact(h)) return MS_ERROR;
+                __atomic_add_fetch(&held[dev], bytes, __ATOMIC_RELAXED);
+                return MS_OK; /* *in_use left alone (ms_region_charge fills it) */
+            }
+            __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE); /* announced, never applied: taken back */
+        }
     }
-    return ms_charge_retry(r, L, me, dev, cap, bytes, in_use, seq, pnew);
+    return ms_charge_refill(r, L, me, held, dev, cap, bytes, in_use);
 }
 
-/* A give-back on lane L of this process's slot; the caller holds the lane. */
-static inline __attribute__((always_inline)) uint64_t ms_uncharge_op(ms_region *r, ms_lane *L, uint64_t me, int dev,
+/* A give-back on lane L of this process's slot; the caller holds the lane. The common case:
+ * taken from what this lane's thread holds, parked in the lane's reserve (one that is not empty:
+ * a lane has one only once it took a batch far from the cap; one taken back stays empty). */
+static inline __attribute__((always_inline)) uint64_t ms_uncharge_op(ms_region *r, ms_lane *L, uint64_t me,
+                                                                     uint64_t *held, uint32_t rsvdev, int dev,
                                                                      uint64_t bytes) {
+    /* A file shrunk or zeroed under us reads an empty reserve: such a free goes out of line,
+     * which checks the magic before it gives anything back. */
     ms_hdr *h = r->hdr;
-    if (!ms_intact(h)) return bytes; /* nothing to give back to: the file is gone */
-    uint64_t have = __atomic_load_n(&r->held[dev], __ATOMIC_RELAXED);
-    if (__builtin_expect(have >= bytes && __atomic_compare_exchange_n(&r->held[dev], &have, have - bytes, 0, __ATOMIC_RELAXED,
-                                                         __ATOMIC_RELAXED),
-                         1)) {
-        uint64_t pnew = ms_ld(&L->share[dev]) - bytes, seq = ms_announce_share(L, dev, pnew);
-        MS_FAULT("uncharge.announced");
-        ms_word *w = &h->used[dev];
-        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), val = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+    uint64_t have = __atomic_load_n(&held[dev], __ATOMIC_RELAXED);
+    if (__builtin_expect(dev >= MS_RSV_DEVS || have < bytes ||
+                             !__atomic_compare_exchange_n(&held[dev], &have, have - bytes, 0, __ATOMIC_RELAXED,
+                                                          __ATOMIC_RELAXED),
+                         0))
+        return ms_uncharge_rest(r, L, me, held, dev, bytes, 0);
+    ms_rword *w = &L->rsv[dev];
+    uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), v = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+    /* (a reserve above MS_RSV_MAX is only a corrupted file's: then parking may fail a CAS, never wrap) */
+    if (__builtin_expect(v != 0 && bytes <= MS_RSV_MAX - v, 1)) {
         ms_help_me(h, tag, me);
-        if (__builtin_expect(val >= bytes && ms_cas(w, val, tag, val - bytes, seq << 12 | me), 1))
-            return ms_uncharge_done(L, dev, bytes, bytes, seq, pnew);
-        return ms_uncharge_retry(r, L, me, dev, bytes, seq, bytes, pnew);
+        uint64_t pnew = ms_ld(&L->share[dev]) - bytes, seq = ms_announce_share(L, (rsvdev | (uint32_t)dev), pnew);
+        MS_FAULT("park.announced");
+        if (__builtin_expect(ms_rcas(w, v, tag, v + bytes, seq << 12 | me), 1)) {
+            MS_FAULT("park.applied");
+            MS_MIDOP();
+            ms_st(&L->share[dev], pnew);
+            MS_FAULT("park.folded");
+            __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
+            return 0;
+        }
+        __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE); /* announced, never applied: taken back */
     }
-    return ms_uncharge_retry(r, L, me, dev, bytes, 0, 0, 0);
+    return ms_uncharge_rest(r, L, me, held, dev, bytes, bytes);
 }
 
 /* ms_region_charge / ms_region_uncharge for a valid handle and device: the calling thread's
@@ -145,13 +143,13 @@ static inline __attribute__((always_inline)) uint64_t ms_uncharge_op(ms_region *
 static inline __attribute__((always_inline)) int ms_charge_inl(ms_region *r, int dev, uint64_t cap, uint64_t bytes,
                                                                uint64_t *in_use) {
     if (__builtin_expect(ms_mine.id == __atomic_load_n(&r->id, __ATOMIC_RELAXED), 1))
-        return ms_charge_op(r, ms_mine.L, ms_mine.me, dev, cap, bytes, in_use);
+        return ms_charge_op(r, ms_mine.L, ms_mine.me, ms_mine.held, ms_mine.rsvdev, dev, cap, bytes, in_use);
     return ms_charge_slow(r, dev, cap, bytes, in_use);
 }
 
 static inline __attribute__((always_inline)) uint64_t ms_uncharge_inl(ms_region *r, int dev, uint64_t bytes) {
     if (__builtin_expect(ms_mine.id == __atomic_load_n(&r->id, __ATOMIC_RELAXED), 1))
-        return ms_uncharge_op(r, ms_mine.L, ms_mine.me, dev, bytes);
+        return ms_uncharge_op(r, ms_mine.L, ms_mine.me, ms_mine.held, ms_mine.rsvdev, dev, bytes);
     return ms_uncharge_slow(r, dev, bytes);
 }
 

@@ -41,14 +41,19 @@ struct ms_region {
     uint32_t lanes_taken;  /* bit i: lane i is some thread's (the last lane is never taken) */
     pthread_mutex_t shared_lane;  /* for threads beyond the lanes (process-local) */
     pthread_mutex_t reclaim_lock; /* one reclaiming thread per process (process-local) */
-    /* what this process holds per device (clamps uncharges); a line of its own, apart from the
-     * fields every charge reads */
-    uint64_t held[MS_MAX_DEVICES] __attribute__((aligned(64)));
+    /* what this process holds per device (clamps uncharges), kept per lane (a thread adds to its
+     * lane's row and gives back from it, from the others' only when its own is short): rows on
+     * lines of their own, apart from the fields every charge reads */
+    uint64_t held[MS_LANES][MS_MAX_DEVICES] __attribute__((aligned(128)));
 };
 
 /* region_layout.c */
 /* A slot's share of a device: the sum of its lanes (modulo 2^64). */
 uint64_t ms_slot_share(const ms_slot *s, int d);
+/* A slot's reserves on d (0 for d >= MS_RSV_DEVS). */
+uint64_t ms_slot_rsv(const ms_slot *s, int d);
+/* Every claimed slot's reserves on d. */
+uint64_t ms_region_rsv(const ms_hdr *h, int d);
 /* A new file's header (the magic last: then the header is whole). */
 void ms_layout_fill(ms_hdr *h);
 /* Magic and version, from the first bytes (before the size is judged); -1 and a reason. */
@@ -107,6 +112,10 @@ int ms_locked_by_other(int fd, size_t off);
 int ms_claim(ms_region *r);
 /* Repair the slots of dead processes (how many). */
 int ms_reclaim(ms_region *r);
+/* An operation of lane L (me: its tag bits) taking what lane `target` (slot << 4 | lane, its
+ * own included) keeps on dev beyond `keep` into L's share, without the holder's help (it may
+ * be stopped, idle or dead): how much it took (region_ops.h, "Reserves"). */
+uint64_t ms_take_reserve(ms_hdr *h, ms_lane *L, uint64_t me, int dev, uint64_t target, uint64_t keep);
 /* Give this process's slot back (its charges, then the slot). */
 void ms_release_own(ms_region *r);
 
@@ -119,15 +128,26 @@ int ms_fail(char *err, size_t errlen, int fd, void *map, const char *fmt, ...) _
  * its descriptor and mapping, or -1 and a reason. */
 int ms_map(const char *path, int writable, unsigned mode, unsigned flags, int *fdp, ms_hdr **hp, char *err,
            size_t errlen);
-/* Check and map the open region `fd` (named `path` in messages); on failure fd is closed. */
+/* Check and map the open region `fd` (named `path` in messages); on failure fd is closed.
+ * With MS_MAP_LEGACY in flags (readers only), a layout-2 file is neither checked nor mapped:
+ * MS_MAP_LEGACY is returned, fd left open, for ms_legacy_snapshot. */
+#define MS_MAP_LEGACY 0x100u
 int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **hp, char *err, size_t errlen);
+
+/* region_legacy.c */
+/* Snapshot of the layout-2 file on fd (read, not mapped; liveness tested on lock_fd); 0, or -1
+ * and a reason. fd stays the caller's. */
+int ms_legacy_snapshot(int fd, int lock_fd, ms_snapshot *out, const char *path, char *err, size_t errlen);
 
 /* Fault injection (test builds, -DMS_FAULT_INJECT): MS_FAULT("step") kills the process with
  * SIGKILL when MPSSHIM_FAULT names that step ("step" or "step:N" for its Nth passage; a
  * trailing ":stop" sends SIGSTOP instead). Steps: claim.{marked,locked,done},
- * charge.{announced,applied,folded}, uncharge.{announced,applied,folded},
- * repair.{locked,resolved,announced,applied,folded,freed} (repair.* also run when a process
- * closes the region and gives its own slot back). */
+ * charge.{announced,applied,folded}, uncharge.{announced,applied,folded} (on the device's word),
+ * reserve.{announced,applied,folded} (a charge from the lane's reserve), park.{...} (a free into
+ * it), deposit.{...} (a batch into it), take.{...} (a reserve taken back, the holder's or the
+ * lane's own), return.{...} (what was taken back, to the device's word),
+ * repair.{locked,resolved,drained,announced,applied,folded,freed} (repair.* also run when a
+ * process closes the region and gives its own slot back). */
 #ifdef MS_FAULT_INJECT
 void ms_fault_point(const char *step);
 #define MS_FAULT(step) ms_fault_point(step)

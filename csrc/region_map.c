@@ -92,9 +92,10 @@ int ms_map(const char *path, int writable, unsigned mode, unsigned flags, int *f
             return ms_fail(err, errlen, -1, NULL, "cannot open region %.200s: %s", path, strerror(errno));
         if (ms_create(path, mode, err, errlen) != 0) return -1;
     }
-    if (ms_map_fd(fd, path, writable, flags, hp, err, errlen) != 0) return -1; /* fd closed */
+    int rc = ms_map_fd(fd, path, writable, flags, hp, err, errlen);
+    if (rc < 0) return -1; /* fd closed */
     *fdp = fd;
-    return 0;
+    return rc;
 }
 
 int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **hp, char *err, size_t errlen) {
@@ -108,6 +109,9 @@ int ms_map_fd(int fd, const char *path, int writable, unsigned flags, ms_hdr **h
                        path, (unsigned)st.st_uid, (unsigned)geteuid());
     ms_hdr head;
     ssize_t got = pread(fd, &head, offsetof(ms_hdr, cap), 0);
+    if ((flags & MS_MAP_LEGACY) && got == (ssize_t)offsetof(ms_hdr, cap) &&
+        memcmp(head.magic, MS_MAGIC, sizeof head.magic) == 0 && head.version == 2)
+        return MS_MAP_LEGACY; /* fd open, nothing mapped: the caller reads layout 2 itself */
     if (got == (ssize_t)offsetof(ms_hdr, cap) && ms_version_check(&head, path, err, errlen) != 0) {
         ms_release(fd, NULL);
         return -1;

@@ -56,7 +56,50 @@
  *    tries the next slot). Free slots have every lane at share 0 and nothing in flight.
  *  - Counters never wrap: charges check v <= cap - bytes; give-backs clamp at 0 and count it
  *    (only a corrupted file has a total below a share); a process's uncharges are clamped to
- *    what it holds (held[], process memory).
+ *    what it holds (held[], process memory, a row per lane: a thread gives back from its own
+ *    row, from the others' only when its own is short).
+ *
+ * Reserves: headroom in batches, taken back without its holder (issue 32).
+ *  - A lane's reserve on device d < MS_RSV_DEVS, rsv[d] = {val, tag}, is headroom counted in
+ *    used[d] and charged to no allocation. The invariant becomes, whenever nothing is in flight:
+ *        used[d].val == sum over slots and lanes of share[d] + rsv[d].val.
+ *    used[d].val never passes the cap (every CAS that raises it checks), so neither do the
+ *    bytes charged to allocations, whoever holds reserves, whatever they do.
+ *  - Every change is an operation of the one form above (announce, CAS one word, fold, finish)
+ *    on one of two kinds of word, named in pdev (MS_PDEV): the device's total, or some lane's
+ *    reserve. A lane's share is only ever written by its own operations (or its repairer), a
+ *    word only by CAS with the operation's tag, and whoever overwrites another lane's tag on
+ *    either kind of word helps it first. So the resolution above holds unchanged: an
+ *    operation in flight reached its word iff the word carries its tag or its lane's hseq says so.
+ *  - Charge of b from the lane's own reserve: CAS rsv {v, t} -> {v - b, tag}, fold share + b.
+ *    Free of b into it: {v, t} -> {v + b, tag}, fold share - b, while v + b <= MS_RSV_MAX (else
+ *    the free goes to used[d], with what the reserve holds beyond MS_BATCH). Neither touches
+ *    used[d]: the common case moves no line between cores.
+ *  - Batch: a charge of b <= MS_BATCH that its reserve cannot cover, where used[d] + b +
+ *    MS_BATCH leaves at least MS_NEAR under the cap, charges b + MS_BATCH on used[d], then
+ *    deposits MS_BATCH in its reserve (two operations). Otherwise, and for every larger charge,
+ *    the exact path: b on used[d].
+ *  - Taking back (no help from the holder: it may be stopped, idle, or dead): lane S, for lane
+ *    X's reserve, announces on S (word X.rsv[d], pnew = S.share + v), CASes X.rsv {v, t} ->
+ *    {0, S's tag}, folds v into S's share, then gives it back to used[d] (an operation on the
+ *    device's word). A holder stopped mid-operation on its reserve finds the tag changed and
+ *    re-reads; one that had reached it was helped (hseq) first.
+ *  - Exactness. A charge that does not fit in used[d] takes back every reserve in the region
+ *    on its device (each claimed slot's lanes), gives them to used[d] and tries again, until a
+ *    pass finds none with used[d]'s tag unchanged across it (at most MS_STEAL_PASSES), then
+ *    reclaims the dead, then refuses. A lane puts headroom in its reserve only inside a charge
+ *    (a batch) or a free (parking what it frees, which was counted already). So a refusal of b
+ *    means: charged to allocations + b + R > cap when it last read used[d], where R is at most
+ *    MS_RSV_MAX (a reserve's bound) for each lane that took a batch on the device while the
+ *    refused charge ran (a batch needs MS_NEAR free; a lane stopped between its batch and its
+ *    deposit counts too: its charge is still running). Frees running meanwhile add nothing (what
+ *    they park was counted). With no other charge on the device running (the others idle,
+ *    stopped between calls, freeing, or dead), a refusal is exact to the byte;
+ *    charges above MS_BATCH never take a batch (six racing 1 GiB charges under a 3 GiB cap:
+ *    exactly three succeed).
+ *  - A repair first takes every reserve of the dead slot's lanes into its lane 0 (operations of
+ *    the same form announced there), then gives the slot's shares back. A thread that exits
+ *    gives its reserves back to used[d]; a process that exits or dies, by the repair.
  *  - Threads take a lane of their own at their first charge (15 per process; more threads share
  *    the last lane under a process-local mutex) and give it back when they exit. fork: the child
  *    claims a slot of its own before its first charge (an atfork handler gives it its own
@@ -83,11 +126,34 @@ static inline int ms_cas(ms_word *w, uint64_t ov, uint64_t ot, uint64_t nv, uint
     return __sync_bool_compare_and_swap((unsigned __int128 *)(void *)w, o, n);
 }
 
-/* Step 1 of an operation on lane L (nothing in flight there); returns its sequence number. */
-static inline uint64_t ms_announce(ms_lane *L, uint32_t kind, int dev, uint64_t delta, uint64_t pnew) {
+/* Reserves (see above): a batch, the most a reserve keeps from frees, the headroom a batch
+ * must leave under the cap, and how many passes of taking back a refusal makes at most. */
+#define MS_BATCH ((uint64_t)4 << 20)
+#define MS_RSV_MAX ((uint64_t)8 << 20)
+#define MS_NEAR ((uint64_t)64 << 20)
+#define MS_STEAL_PASSES 8
+
+/* The same CAS on a lane's reserve (the same 16 bytes: {val, tag}). */
+static inline int ms_rcas(ms_rword *w, uint64_t ov, uint64_t ot, uint64_t nv, uint64_t nt) {
+    return ms_cas((ms_word *)(void *)w, ov, ot, nv, nt);
+}
+
+/* The word an operation announced with `pdev` changes ({val, tag} at its start), or NULL for a
+ * pdev no operation writes (a corrupted file). */
+static inline uint64_t *ms_op_word(ms_hdr *h, uint32_t pdev) {
+    uint32_t dev = pdev & 0x7f, target = pdev >> 8;
+    if (dev >= MS_MAX_DEVICES) return NULL;
+    if (!(pdev & MS_PDEV_RSV_BIT)) return target == 0 ? &h->used[dev].val : NULL;
+    if (dev >= MS_RSV_DEVS || target >= MS_SLOTS * MS_LANES) return NULL;
+    return &h->slot[target >> 4].lane[target & 15].rsv[dev].val;
+}
+
+/* Step 1 of an operation on lane L (nothing in flight there) on the word `pdev` names; returns
+ * its sequence number. */
+static inline uint64_t ms_announce(ms_lane *L, uint32_t kind, uint32_t pdev, uint64_t delta, uint64_t pnew) {
     uint64_t seq = ms_ld(&L->dseq) + 1;
     __atomic_store_n(&L->pkind, kind, __ATOMIC_RELAXED);
-    __atomic_store_n(&L->pdev, (uint32_t)dev, __ATOMIC_RELAXED);
+    __atomic_store_n(&L->pdev, pdev, __ATOMIC_RELAXED);
     ms_st(&L->pdelta, delta);
     ms_st(&L->pnew, pnew);
     __atomic_store_n(&L->pseq, seq, __ATOMIC_RELEASE);

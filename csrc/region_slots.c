@@ -24,7 +24,7 @@ static int ms_slot_clean(const ms_slot *s) {
     for (int i = 0; i < MS_LANES; i++) {
         if (ms_ld(&s->lane[i].pseq) != ms_ld(&s->lane[i].dseq)) return 0;
         for (int d = 0; d < MS_MAX_DEVICES; d++)
-            if (ms_ld(&s->lane[i].share[d]) != 0) return 0;
+            if (ms_ld(&s->lane[i].share[d]) != 0 || (d < MS_RSV_DEVS && ms_ld(&s->lane[i].rsv[d].val) != 0)) return 0;
     }
     return 1;
 }
@@ -64,15 +64,36 @@ int ms_claim(ms_region *r) {
     return -1;
 }
 
+uint64_t ms_take_reserve(ms_hdr *h, ms_lane *L, uint64_t me, int dev, uint64_t target, uint64_t keep) {
+    ms_rword *w = &h->slot[target >> 4].lane[target & 15].rsv[dev];
+    for (;;) {
+        uint64_t tag = __atomic_load_n(&w->tag, __ATOMIC_ACQUIRE), v = __atomic_load_n(&w->val, __ATOMIC_RELAXED);
+        if (v <= keep) return 0;
+        ms_help(h, tag, (int)(me >> 4), (int)(me & 15));
+        uint64_t pnew = ms_ld(&L->share[dev]) + (v - keep);
+        uint64_t seq = ms_announce(L, MS_OP_SHARE, MS_PDEV_RSV(dev, target), v - keep, pnew);
+        MS_FAULT("take.announced");
+        if (ms_rcas(w, v, tag, keep, seq << 12 | me)) {
+            MS_FAULT("take.applied");
+            ms_st(&L->share[dev], pnew);
+            MS_FAULT("take.folded");
+            __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE);
+            return v - keep;
+        }
+        __atomic_store_n(&L->dseq, seq, __ATOMIC_RELEASE); /* announced, never applied: look again */
+    }
+}
+
 /* Finish (or drop) the operation a dead lane left in flight (see region_ops.h). */
 static void ms_resolve(ms_hdr *h, int si, int li) {
     ms_slot *s = &h->slot[si];
     ms_lane *L = &s->lane[li];
     uint64_t seq = __atomic_load_n(&L->pseq, __ATOMIC_ACQUIRE);
     if (seq == ms_ld(&L->dseq)) return;
-    uint32_t dev = __atomic_load_n(&L->pdev, __ATOMIC_RELAXED);
-    if (dev < MS_MAX_DEVICES) {
-        uint64_t tag = __atomic_load_n(&h->used[dev].tag, __ATOMIC_SEQ_CST);
+    uint32_t pdev = __atomic_load_n(&L->pdev, __ATOMIC_RELAXED), dev = pdev & 0x7f;
+    uint64_t *word = ms_op_word(h, pdev);
+    if (word != NULL) {
+        uint64_t tag = __atomic_load_n(word + 1, __ATOMIC_SEQ_CST);
         int applied = tag == MS_TAG(seq, si, li) || __atomic_load_n(&L->hseq, __ATOMIC_SEQ_CST) >= seq;
         if (applied && __atomic_load_n(&L->pkind, __ATOMIC_RELAXED) == MS_OP_REPAIR)
             for (int k = 0; k < MS_LANES; k++) ms_st(&s->lane[k].share[dev], 0);
@@ -89,13 +110,19 @@ static void ms_resolve(ms_hdr *h, int si, int li) {
 static void ms_repair(ms_hdr *h, int si, uint64_t state) {
     ms_slot *s = &h->slot[si];
     for (int li = 0; li < MS_LANES; li++) ms_resolve(h, si, li);
+    /* the lanes' reserves into lane 0's share (operations announced there, like a live lane's
+     * taking back: a repairer killed in the middle leaves one to resolve) */
+    for (int d = 0; d < MS_RSV_DEVS; d++)
+        for (int k = 0; k < MS_LANES; k++)
+            if (ms_take_reserve(h, &s->lane[0], (uint64_t)si << 4, d, (uint64_t)si << 4 | (uint64_t)k, 0) != 0)
+                MS_FAULT("repair.drained");
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         int any = 0;
         for (int k = 0; k < MS_LANES; k++) any |= ms_ld(&s->lane[k].share[d]) != 0;
         if (!any) continue;
         /* Even a share of 0 (+x on one lane, -x on another) is zeroed by an operation in flight,
          * with a new tag: a reader checking the totals never sees half of it. */
-        uint64_t c = ms_slot_share(s, d), seq = ms_announce(&s->lane[0], MS_OP_REPAIR, d, 0 - c, 0);
+        uint64_t c = ms_slot_share(s, d), seq = ms_announce(&s->lane[0], MS_OP_REPAIR, MS_PDEV(d), 0 - c, 0);
         MS_FAULT("repair.announced");
         ms_apply_down(h, d, c, seq, si, 0);
         MS_FAULT("repair.applied");

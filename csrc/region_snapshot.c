@@ -1,5 +1,7 @@
 /* The read-only snapshot for tools (region.h; shim.usage() reaches it through mpsshim_usage):
- * maps the file on a descriptor of its own and claims no slot. */
+ * maps the file on a descriptor of its own and claims no slot. A layout-2 file (the shim
+ * before reserves, still preloaded by containers started before an mpsd upgrade) is read by
+ * region_legacy.c instead. */
 #include "region_impl.h"
 
 #include <errno.h>
@@ -14,6 +16,12 @@ int ms_region_snapshot(const char *path, ms_snapshot *out, char *err, size_t err
 static int ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out, const char *path, char *err,
                           size_t errlen);
 
+/* A layout-2 file read (region_legacy.c): close its descriptor, pass the result on. */
+static int ms_legacy_done(int fd, int rc) {
+    ms_release(fd, NULL);
+    return rc;
+}
+
 int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, char *err, size_t errlen) {
     char dummy[1];
     if (err == NULL || errlen == 0) err = dummy, errlen = sizeof dummy;
@@ -24,7 +32,9 @@ int ms_region_snapshot_ex(const char *path, unsigned flags, ms_snapshot *out, ch
      * held through another descriptor, is tested like any other. */
     int fd;
     ms_hdr *h;
-    if (ms_map(path, 0, MS_MODE_UMASK, flags, &fd, &h, err, errlen) != 0) return -1;
+    int rc = ms_map(path, 0, MS_MODE_UMASK, flags | MS_MAP_LEGACY, &fd, &h, err, errlen);
+    if (rc < 0) return -1;
+    if (rc == (int)MS_MAP_LEGACY) return ms_legacy_done(fd, ms_legacy_snapshot(fd, fd, out, path, err, errlen));
     return ms_snapshot_of(fd, fd, h, out, path, err, errlen);
 }
 
@@ -39,7 +49,10 @@ int ms_region_snapshot_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0) return ms_fail(err, errlen, -1, NULL, "region %s: %s", name, strerror(errno));
     ms_hdr *h;
-    if (ms_map_fd(own, name, 0, 0, &h, err, errlen) != 0) return -1;
+    int rc = ms_map_fd(own, name, 0, MS_MAP_LEGACY, &h, err, errlen);
+    if (rc < 0) return -1;
+    if (rc == (int)MS_MAP_LEGACY)
+        return ms_legacy_done(own, ms_legacy_snapshot(own, lock_fd >= 0 ? lock_fd : own, out, name, err, errlen));
     return ms_snapshot_of(own, lock_fd >= 0 ? lock_fd : own, h, out, name, err, errlen);
 }
 
@@ -51,7 +64,8 @@ static int ms_snapshot_of(int fd, int lock_fd, ms_hdr *h, ms_snapshot *out, cons
     out->version = h->version;
     for (int d = 0; d < MS_MAX_DEVICES; d++) {
         out->cap[d] = ms_ld(&h->cap[d]);
-        out->used[d] = ms_ld(&h->used[d].val);
+        uint64_t rsv = ms_region_rsv(h, d), used = ms_ld(&h->used[d].val);
+        out->used[d] = used > rsv ? used - rsv : 0; /* in use: reserves are free to whoever charges */
     }
     for (int i = 0; i < MS_SLOTS && out->nprocs < MS_SNAPSHOT_MAX_PROCS; i++) {
         uint64_t st = __atomic_load_n(&h->slot[i].state, __ATOMIC_ACQUIRE);

@@ -9,6 +9,8 @@
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
 MS_EXPORT int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
 MS_EXPORT size_t mpsshim_region_size(void);
+MS_EXPORT size_t mpsshim_region_size_of(uint32_t layout);
+MS_EXPORT int mpsshim_layout(void);
 
 MS_EXPORT int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen)
 {
@@ -31,4 +33,18 @@ MS_EXPORT int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err,
 MS_EXPORT size_t mpsshim_region_size(void)
 {
     return sizeof(ms_hdr);
+}
+
+/* The size of a region file of `layout` that mpsshim_usage reads (this one, and layout 2); 0
+ * for any other. A reader checks a file's size with the layout its header names. */
+MS_EXPORT size_t mpsshim_region_size_of(uint32_t layout)
+{
+    return ms_region_file_size(layout);
+}
+
+/* The layout of the regions this library creates and charges: mpsd installs it for containers
+ * as libmpsshim.so.<layout> (docs/shim.md, "Upgrades"). */
+MS_EXPORT int mpsshim_layout(void)
+{
+    return MS_LAYOUT_VERSION;
 }

@@ -3,6 +3,8 @@
 - ``library_path()``: where libmpsshim.so is (``$MPSSHIM_LIBRARY`` or next to this package).
 - ``usage(region_path)``: per device, the cap, the bytes in use and the processes holding them,
   read from a container's accounting region (its ``MPSSHIM_REGION``) through the library.
+- ``layout()``: the region layout the library creates and charges (mpsd installs it for
+  containers as ``libmpsshim.so.<layout>``).
 - ``framework_env(...)``: variables that make frameworks live within a capped slice.
 - ``python -m shim path`` / ``python -m shim usage REGION [--json]`` on the command line.
 """
@@ -10,7 +12,7 @@
 from ._errors import RegionError, ShimError, ShimNotFound
 from ._frameworks import framework_env
 from ._library import LIBRARY_ENV, library_path
-from ._usage import DeviceUsage, ProcessUsage, usage
+from ._usage import DeviceUsage, ProcessUsage, layout, usage
 
 __all__ = [
     "LIBRARY_ENV",
@@ -20,6 +22,7 @@ __all__ = [
     "ShimError",
     "ShimNotFound",
     "framework_env",
+    "layout",
     "library_path",
     "usage",
 ]

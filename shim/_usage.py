@@ -3,6 +3,8 @@
 The library exports ``int mpsshim_usage(const char *path, ms_snapshot *out, char *err,
 size_t errlen)`` and ``mpsshim_usage_fd(int fd, ...)`` (used here, on a file checked first, its
 size against ``mpsshim_region_size()``);
+a layout-2 file (the shim before reserves, in containers started before an mpsd upgrade) is
+read too, its size checked against ``mpsshim_region_size_of(2)``;
 ``ms_snapshot`` is declared in csrc/region.h and mirrored in CDEF below
 (tests/e2e/test_shim_package.py compares sizes and offsets with a C compiler's).
 """
@@ -45,6 +47,8 @@ typedef struct ms_snapshot {{
 int mpsshim_usage(const char *path, ms_snapshot *out, char *err, size_t errlen);
 int mpsshim_usage_fd(int fd, int lock_fd, ms_snapshot *out, char *err, size_t errlen);
 size_t mpsshim_region_size(void);
+size_t mpsshim_region_size_of(uint32_t layout);
+int mpsshim_layout(void);
 """
 
 
@@ -127,6 +131,33 @@ def open_region(path: str | os.PathLike[str]) -> int:
     return fd
 
 
+def file_layout(fd: int) -> int:
+    """The layout version a region file's header names (bytes 8-11), 0 if it is shorter."""
+    head = os.pread(fd, 12, 0)
+    return int.from_bytes(head[8:12], "little") if len(head) == 12 else 0
+
+
+def region_size(lib: Any, fd: int) -> int:
+    """The size the library expects of the region file ``fd``: that of the layout its header names
+    when the library reads that layout, else the library's own layout's (a library without
+    mpsshim_region_size_of reads its own layout only)."""
+    try:
+        size = int(lib.mpsshim_region_size_of(file_layout(fd)))
+    except AttributeError:
+        size = 0
+    return size or int(lib.mpsshim_region_size())
+
+
+def layout(library: str | os.PathLike[str] | None = None) -> int:
+    """The region layout ``library`` (default: library_path()) creates and charges."""
+    lib_path = str(library) if library is not None else str(library_path())
+    _, lib = _load(lib_path)
+    try:
+        return int(lib.mpsshim_layout())
+    except AttributeError as exc:
+        raise ShimError(f"{lib_path} exports no mpsshim_layout: a shim older than layout 3") from exc
+
+
 def check_size(fd: int, path: str, size: int) -> None:
     """RegionError unless the open file ``fd`` is exactly ``size`` bytes (the library's
     layout): checked on the descriptor before a byte is copied, so that a file of any other
@@ -184,7 +215,7 @@ def usage(
     finally:
         os.close(held)
     try:
-        check_size(live, str(path), int(lib.mpsshim_region_size()))
+        check_size(live, str(path), region_size(lib, live))
         fd = private_copy(live, repr(str(path))) if copy else live
         try:
             if lib.mpsshim_usage_fd(fd, live, snap, err, ERR_LEN) != 0:

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 
 from .clientenv import client_env
 from ..errors import PluginError
+from .shimfile import CONTAINER_SHIM_DIR, SHIM_NAME, container_shim
 from .slicing import Plan
 
 CONTAINER_REGION_DIR = "/run/mpsd"
 CONTAINER_REGION = "/run/mpsd/region"
-CONTAINER_SHIM_DIR = "/run/mpsd-shim"
-SHIM_NAME = "libmpsshim.so"
-CONTAINER_SHIM = f"{CONTAINER_SHIM_DIR}/{SHIM_NAME}"
 IPC_MODES = ("hostIPC", "tmpfs")
 LOG_FIFO = "log"  # the control daemon's log FIFO in the pipe dir
 DEV_NULL = "/dev/null"
@@ -55,14 +53,16 @@ class HostPaths:
         return os.path.join(self.region_dir, name)
 
 
-def container_env(plan: Plan, pipe_dir: str, client_priority: int | None = None) -> dict[str, str]:
+def container_env(plan: Plan, pipe_dir: str, client_priority: int | None = None,
+                  shim: str = SHIM_NAME) -> dict[str, str]:
     """The environment of a container holding ``plan`` (Allocate; DRA's CDI spec, which may add
-    the claim's client priority)."""
+    the claim's client priority). ``shim``: the shim file it preloads (a claim prepared before an
+    upgrade keeps the one it was prepared with: mpsd/alloc/shimfile.py)."""
     env = client_env(
         pipe_dir=pipe_dir,
         active_thread_percentage=plan.active_thread_percentage,
         memory_limits=plan.memory_limits,
-        shim_library=CONTAINER_SHIM,
+        shim_library=container_shim(shim),
         region_path=CONTAINER_REGION,
         client_priority=client_priority,
     )

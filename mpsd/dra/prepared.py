@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DraError, MpsdError, one_line
 from ..alloc.container import HostPaths
+from ..alloc.shimfile import LEGACY_SHIM_NAME, SHIM_NAME, shim_name
 from ..alloc.allocdir import fresh_dir, restore_region_dir
 from ..alloc.slicing import GpuLike, GpuShare, Plan
 from ..alloc.state import StateStore
@@ -83,6 +84,7 @@ class PreparedClaim:
     pod_uids: tuple[str, ...] = ()
     memory_limit: int | None = None  # ClaimConfig memoryLimit: hard bytes per GPU (burst)
     requests: tuple[RequestShare, ...] = ()  # empty: prepared with one CDI device for the whole claim
+    shim: str = LEGACY_SHIM_NAME  # the shim file its containers preload; a record without one: before layouts
 
     @property
     def allocation_id(self) -> str:
@@ -140,6 +142,7 @@ class PreparedClaim:
             memory_limit=None if data.get("memory_limit") is None else int(data["memory_limit"]),
             requests=tuple(RequestShare(str(q["name"]), _shares(q["gpus"]), float(q["active_thread_percentage"]))
                            for q in data.get("requests", ())),
+            shim=shim_name(data.get("shim")),
         )
 
 
@@ -283,7 +286,7 @@ class Preparer:
             gpus=planned.plan.gpus, active_thread_percentage=planned.plan.active_thread_percentage,
             client_priority=planned.client_priority, region_dir="", spec_name=cdi.spec_file_name(ref.uid),
             phase=PREPARED, created=time.time(), pods=planned.pods, pod_uids=planned.pod_uids,
-            memory_limit=planned.memory_limit,
+            memory_limit=planned.memory_limit, shim=SHIM_NAME,
             requests=tuple(RequestShare(q.name, q.plan.gpus, q.plan.active_thread_percentage)
                            for q in planned.requests),
         )
@@ -408,7 +411,7 @@ class Preparer:
             hard = {} if rec.memory_limit is None else {g.ordinal: rec.memory_limit for g in plan.gpus}
             key = rec.allocation_id if name is None else f"{rec.allocation_id}/{name}"
             out.append((name, SliceRequest(key, plan, rec.region_dir, client_priority=rec.client_priority,
-                                           pod_uids=rec.pod_uids, memory_hard=hard)))
+                                           pod_uids=rec.pod_uids, memory_hard=hard, shim=rec.shim)))
         return out
 
     def slices(self, rec: PreparedClaim) -> list[SliceRequest]:

@@ -36,9 +36,10 @@ from typing import Callable, Mapping, Sequence
 
 from ..errors import MpsdError
 from ..lifecycle.health import HealthBoard
-from ..alloc.container import SHIM_NAME, HostPaths
+from ..alloc.container import HostPaths
+from ..alloc.shimfile import install_shim
 from ..alloc.served import instance_id
-from ..alloc.state import StateStore, install_file
+from ..alloc.state import StateStore
 from ..alloc.usage import shim_usage
 from .cdi import CdiDir
 from .claimusage import ClaimUsageReader
@@ -147,7 +148,7 @@ def run_dra(
         plugin = build(config, pipe_dir=pipe_dir, gpus=gpus, get_claim=api.get_resource_claim, state_dir=state_dir,
                        node=node, metrics=metrics, shim_library=shim_library, backend=backend, instance=instance,
                        board=board)
-        dest = install_file(shim_library, config.device_plugin.shim_host_dir, SHIM_NAME)
+        dest = install_shim(shim_library, config.device_plugin.shim_host_dir)
         log.info("shim installed source=%s dest=%s", shim_library, dest)
         publisher = SlicePublisher(api, dra.driver_name, node, dra.mode, config.device_plugin.slices_per_gpu,
                                    node_uid=_node_uid(api, node), metrics=metrics)

@@ -51,7 +51,8 @@ from ..lifecycle.health import HealthBoard
 from . import api_pb2_grpc
 from .kubelet import KUBELET_SOCKET, check_resource_name, register
 from ..alloc.served import socket_identity
-from ..alloc.container import SHIM_NAME, HostPaths
+from ..alloc.container import HostPaths
+from ..alloc.shimfile import install_shim
 from ..alloc.served import ServedSocket, instance_id, remove_stale_sockets
 from .servicer import UNARY_WORKERS, Servicer
 from ..alloc.allocdir import restore_region_dir
@@ -59,7 +60,7 @@ from ..sharing import Backend, SliceRequest
 from ..sharing.burst import burst_limits
 from ..sharing.v2 import V2Backend
 from ..alloc.slicing import GpuLike, Plan, advertised_ids, plan_allocation
-from ..alloc.state import StateStore, install_file
+from ..alloc.state import StateStore
 from .usage import UsageMetrics, UsageTracker
 from ..alloc.usage import UsageReader, shim_usage
 
@@ -176,7 +177,7 @@ class DevicePlugin:
 
     def start(self) -> None:
         if self.shim_library:
-            dest = install_file(self.shim_library, self.paths.shim_host_dir, SHIM_NAME)
+            dest = install_shim(self.shim_library, self.paths.shim_host_dir)
             log.info("shim installed source=%s dest=%s", self.shim_library, dest)
         if os.path.realpath(self.store.path).startswith(os.path.realpath(self.paths.region_dir) + os.sep):
             raise PluginError(

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 from ..alloc.container import Mount
+from ..alloc.shimfile import SHIM_NAME
 
 if TYPE_CHECKING:
     from ..alloc.slicing import Plan
@@ -57,6 +58,7 @@ class SliceRequest:
     client_priority: int | None = None
     memory_hard: dict[int, int] = field(default_factory=dict)  # ordinal -> hard bytes above the guarantee
     pod_uids: tuple[str, ...] = ()  # pods known to hold it (DRA: reservedFor); () when unknown
+    shim: str = SHIM_NAME  # the shim file its containers preload (mpsd/alloc/shimfile.py)
 
     def hard_limit(self, ordinal: int) -> int:
         """The hard limit on a device: the burst limit when one is set, else its guarantee."""

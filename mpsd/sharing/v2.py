@@ -28,7 +28,8 @@ class V2Backend:
         self.paths = paths
 
     def edits(self, request: SliceRequest) -> Grant:
-        env = container_env(request.plan, self.paths.pipe_dir, client_priority=request.client_priority)
+        env = container_env(request.plan, self.paths.pipe_dir, client_priority=request.client_priority,
+                            shim=request.shim)
         mounts = tuple(container_mounts(request.plan, self.paths, request.region_dir))
         return Grant(env, mounts)
 

@@ -34,8 +34,8 @@ from typing import Callable, Iterable, Sequence
 
 from ..daemon.control3 import Control3, Limits3, Server3
 from ..errors import BackendError, ControlError, DaemonNotRunning
-from ..alloc.container import (CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM, CONTAINER_SHIM_DIR, DEV_NULL,
-                               LOG_FIFO, HostPaths)
+from ..alloc.container import CONTAINER_REGION, CONTAINER_REGION_DIR, CONTAINER_SHIM_DIR, DEV_NULL, LOG_FIFO, HostPaths
+from ..alloc.shimfile import container_shim
 from ..daemon import dirs
 from ..alloc.slicing import GpuLike, GpuShare
 from ..units import format_limits, format_size_mps_control
@@ -112,7 +112,7 @@ class V3Backend:
                   # /dev/null over `log`, as under v2: writes into a FIFO pass a read-only mount
                   Mount(DEV_NULL, os.path.join(self.paths.pipe_dir, LOG_FIFO), True)]
         if self.shim(request):
-            env["LD_PRELOAD"] = CONTAINER_SHIM
+            env["LD_PRELOAD"] = container_shim(request.shim)
             env["MPSSHIM_REGION"] = CONTAINER_REGION
             mounts += [Mount(request.region_dir, CONTAINER_REGION_DIR, False),
                        Mount(self.paths.shim_host_dir, CONTAINER_SHIM_DIR, True)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -147,3 +148,26 @@ def snap(proc: LineProc, path: Path) -> dict[str, object]:
     out: dict[str, object] = {k: int(v) for k, v in fields.items()}
     out["procs"] = procs
     return out
+
+
+@pytest.fixture
+def start(core_bin: Path) -> Iterator[Callable[..., LineProc]]:
+    """start(*args, variant="", fault=None): a driver (repl unless args say otherwise), with
+    MPSSHIM_FAULT=fault for the _fault build; stopped ones are continued, all killed at the end."""
+    procs: list[LineProc] = []
+
+    def run(*args: str, variant: str = "", fault: str | None = None) -> LineProc:
+        p = LineProc(
+            [core_bin / f"region_cli{variant}", *(args or ("repl",))],
+            extra_env={"MPSSHIM_FAULT": fault} if fault else None,
+        )
+        procs.append(p)
+        return p
+
+    yield run
+    for p in procs:
+        if p.proc.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        else:
+            p.close()

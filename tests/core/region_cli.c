@@ -8,8 +8,9 @@
  *       forksleep (fork a child that never touches the region and sleeps; prints its pid)
  *       tcharge DEV CAP BYTES | tuncharge DEV BYTES (the same as charge/uncharge, on a thread of
  *       their own, while this one keeps its lane: a free on another thread than the charge)
- *   region_cli stress PATH CAP THREADS SECONDS SEED
- *       THREADS threads charge and uncharge random sizes on device 0 for SECONDS, checking after
+ *   region_cli stress PATH CAP THREADS SECONDS SEED [MAXBYTES]
+ *       THREADS threads charge and uncharge random sizes (1..MAXBYTES, default CAP / 8) on
+ *       device 0 for SECONDS, checking after
  *       every charge that the region's total is within CAP; at the end give everything back.
  *       Prints "charges=N refused=N maxseen=N" and exits 1 on a violation.
  *   region_cli spin PATH CAP BYTES THREADS
@@ -219,7 +220,7 @@ static int repl(void) {
 }
 
 typedef struct worker {
-    uint64_t cap, seed, charges, refused, maxseen;
+    uint64_t cap, maxbytes, seed, charges, refused, maxseen;
     double until;
     int bad;
 } worker;
@@ -231,7 +232,7 @@ static void *stress_thread(void *arg) {
         for (int k = 0; k < 256; k++) {
             uint64_t r = xorshift(&w->seed);
             if (nheld < 64 && (r & 1)) {
-                uint64_t bytes = 1 + (xorshift(&w->seed) % (w->cap / 8));
+                uint64_t bytes = 1 + (xorshift(&w->seed) % w->maxbytes);
                 uint64_t in_use = 0;
                 int rc = ms_region_charge(reg, 0, w->cap, bytes, &in_use);
                 if (rc == MS_OK) {
@@ -258,13 +259,13 @@ static void *stress_thread(void *arg) {
     return NULL;
 }
 
-static int stress(const char *path, uint64_t cap, int nthreads, double seconds, uint64_t seed) {
+static int stress(const char *path, uint64_t cap, int nthreads, double seconds, uint64_t seed, uint64_t maxbytes) {
     if (open_or_die(path) != 0) return 2;
     worker *w = calloc((size_t)nthreads, sizeof *w);
     pthread_t *t = calloc((size_t)nthreads, sizeof *t);
     double until = now() + seconds;
     for (int i = 0; i < nthreads; i++) {
-        w[i] = (worker){.cap = cap, .seed = seed * 1000003 + (uint64_t)i + 1, .until = until};
+        w[i] = (worker){.cap = cap, .maxbytes = maxbytes ? maxbytes : cap / 8, .seed = seed * 1000003 + (uint64_t)i + 1, .until = until};
         pthread_create(&t[i], NULL, stress_thread, &w[i]);
     }
     uint64_t charges = 0, refused = 0, maxseen = 0;
@@ -324,8 +325,9 @@ static int spin(const char *path, uint64_t cap, uint64_t bytes, int nthreads) {
 
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "repl") == 0) return repl();
-    if (argc == 7 && strcmp(argv[1], "stress") == 0)
-        return stress(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]), atof(argv[5]), strtoull(argv[6], NULL, 0));
+    if ((argc == 7 || argc == 8) && strcmp(argv[1], "stress") == 0)
+        return stress(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]), atof(argv[5]), strtoull(argv[6], NULL, 0),
+                      argc == 8 ? strtoull(argv[7], NULL, 0) : 0);
     if (argc == 6 && strcmp(argv[1], "spin") == 0)
         return spin(argv[2], strtoull(argv[3], NULL, 0), strtoull(argv[4], NULL, 0), atoi(argv[5]));
     fprintf(stderr, "usage: %s repl | stress PATH CAP THREADS SECONDS SEED | spin PATH CAP BYTES THREADS\n", argv[0]);

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from tests.core.conftest import VARIANTS, LineProc, Repl, driver_env, snap
 
 MAX = (1 << 64) - 1
-# Header offsets of layout version 2 (csrc/region.h, struct ms_hdr); a layout change must update them.
+# Header offsets of layout version 3 (csrc/region.h, struct ms_hdr); a layout change must update them.
 OFF_VERSION, OFF_RESOLVED, OFF_USED0, OFF_SLOTS = 8, 40, 128 + 8 * 64, 128 + 136 * 64
-WORD_SIZE, LANE_SIZE = 128, 128 + 8 * 64  # a device word; a lane: owner's line, share[64], helpers' line
+WORD_SIZE, LANE_SIZE = 128, 128 + 8 * 64 + 16 * 8  # a device word; a lane: owner's line, share[64], rsv[8], helpers' line
 SLOT_SIZE, SLOTS = 128 + 16 * LANE_SIZE, 256
 FILE_SIZE = OFF_SLOTS + SLOTS * SLOT_SIZE
 V1_SIZE = 128 + 2 * 8 * 64 + 256 * 576  # the layout before this one
@@ -105,7 +105,7 @@ def test_snapshot_from_an_outside_process_marks_liveness(repl: Repl, tmp_path: P
     assert a.ask("charge 0 100 10") == "ok 10" and b.ask("charge 0 100 20") == "ok 30"
     b.kill()
     s = snap(tool, path)  # tool never opened the region: read-only path
-    assert s["version"] == 2 and s["used0"] == 30
+    assert s["version"] == 3 and s["used0"] == 30
     assert sorted(s["procs"]) == sorted([(a.pid, 1, 10), (b.pid, 0, 20)])  # type: ignore[type-var]
     assert a.ask("reclaim") == "1"
     assert snap(tool, path)["procs"] == [(a.pid, 1, 10)]
@@ -183,9 +183,10 @@ def corrupt(data: bytes, offset: int, fmt: str, value: int) -> bytes:
 BAD_FILES: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ("bad magic", lambda good: b"NOTMPSSH" + good[8:], "bad magic number"),
     ("random garbage", lambda good: os.urandom(len(good)), "bad magic number"),
-    ("version 1", lambda good: corrupt(good, OFF_VERSION, "<I", 1), "layout version 1; this shim reads only version 2"),
-    ("a layout-1 file", lambda good: v1_file(), "layout version 1; this shim reads only version 2"),
-    ("version 3", lambda good: corrupt(good, OFF_VERSION, "<I", 3), "layout version 3; this shim reads only version 2"),
+    ("version 1", lambda good: corrupt(good, OFF_VERSION, "<I", 1), "layout version 1; this shim reads only version 3"),
+    ("a layout-1 file", lambda good: v1_file(), "layout version 1; this shim reads only version 3"),
+    ("version 2", lambda good: corrupt(good, OFF_VERSION, "<I", 2), "layout version 2; this shim reads only version 3"),
+    ("version 4", lambda good: corrupt(good, OFF_VERSION, "<I", 4), "layout version 4; this shim reads only version 3"),
     ("truncated", lambda good: good[:1000], "is 1000 bytes, expected"),
     ("empty", lambda good: b"", "is 0 bytes, expected"),
     ("too long", lambda good: good + b"\0" * 4096, "bytes, expected"),
@@ -331,9 +332,12 @@ def test_threads_and_processes_never_overshoot(core_bin: Path, repl: Repl, tmp_p
 
 # --- property: the region against a model, with real processes dying ---
 
+# One cap per device for the whole program, as mpsd sets them (one per container, the same in each
+# of its processes): a thread may charge from a reserve it took under its cap (docs/shim.md), so a
+# cap that changed between two calls of one process is not a case the region promises anything for.
 CAPS = [0, 100, 1000, MAX]
 ops = st.one_of(
-    st.tuples(st.just("charge"), st.integers(0, 2), st.integers(0, 1), st.sampled_from(CAPS), st.integers(0, 700)),
+    st.tuples(st.just("charge"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 700)),
     st.tuples(st.just("uncharge"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 700)),
     st.tuples(st.just("kill"), st.integers(0, 2)),
     st.tuples(st.just("reclaim"), st.integers(0, 2)),
@@ -376,9 +380,9 @@ class Model:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(program=st.lists(ops, max_size=25))
+@given(caps=st.tuples(st.sampled_from(CAPS), st.sampled_from(CAPS)), program=st.lists(ops, max_size=25))
 def test_matches_a_model_with_processes_dying(
-    core_bin: Path, tmp_path_factory: pytest.TempPathFactory, program: list[tuple[object, ...]]
+    core_bin: Path, tmp_path_factory: pytest.TempPathFactory, caps: tuple[int, int], program: list[tuple[object, ...]]
 ) -> None:
     path = tmp_path_factory.mktemp("prop") / "region"
     model = Model()
@@ -395,7 +399,8 @@ def test_matches_a_model_with_processes_dying(
         for op in program:
             kind, i = op[0], int(op[1])  # type: ignore[call-overload]
             if kind == "charge":
-                _, _, dev, cap, n = op
+                _, _, dev, n = op
+                cap = caps[dev]  # type: ignore[index]
                 assert proc(i).ask(f"charge {dev} {cap} {n}") == model.charge(i, dev, cap, n)  # type: ignore[arg-type]
             elif kind == "uncharge":
                 _, _, dev, n = op

@@ -13,7 +13,6 @@ import signal
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,25 +22,6 @@ from tests.core.test_region import FILE_SIZE, LANE_SIZE, OFF_SLOTS, OFF_USED0, S
 
 CAP = 1 << 30
 ANSWER_WITHIN = 5.0  # seconds; an answer never depends on a stopped process, so this is only slack for load
-
-
-@pytest.fixture
-def start(core_bin: Path) -> Iterator:
-    procs: list[LineProc] = []
-
-    def run(*args: str, variant: str = "", fault: str | None = None) -> LineProc:
-        p = LineProc([core_bin / f"region_cli{variant}", *(args or ("repl",))],
-                     extra_env={"MPSSHIM_FAULT": fault} if fault else None)
-        procs.append(p)
-        return p
-
-    yield run
-    for p in procs:
-        if p.proc.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        else:
-            p.close()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

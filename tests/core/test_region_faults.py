@@ -149,7 +149,7 @@ def test_without_the_variable_the_fault_build_behaves(start, tmp_path: Path) -> 
     assert p.ask("uncharge 0 10") == "left 0" and p.ask("close") == "ok"
 
 
-SLOT_SIZE, LANE_PKIND = 128 + 16 * (128 + 8 * 64), 128 + 8  # region.h: ms_slot, lane 0's pkind
+SLOT_SIZE, LANE_PKIND = 128 + 16 * (128 + 8 * 64 + 16 * 8), 128 + 8  # region.h: ms_slot, lane 0's pkind
 OFF_SLOTS, OP_REPAIR = 128 + 136 * 64, 2
 
 

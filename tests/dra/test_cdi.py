@@ -33,7 +33,7 @@ def test_the_spec_gives_limits_shim_region_and_a_read_only_pipe_dir():
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
-    assert env["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so"
+    assert env["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so.3"
     assert env["MPSSHIM_REGION"] == "/run/mpsd/region"
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpus(80)[0].uuid
     # the claim's containers share one cap: frameworks allocate on demand (issue 21, defect 8)

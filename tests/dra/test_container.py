@@ -77,7 +77,7 @@ def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fa
     rec_a = plugin.preparer.store.get("claim-uid-a")
 
     # the environment, the shim, the region directory and the read-only pipe directory
-    script = ("env | sort; ls -l /run/mpsd-shim/libmpsshim.so; touch /run/mpsd/probe && echo region-writable; "
+    script = ("env | sort; ls -l /run/mpsd-shim/libmpsshim.so.3; touch /run/mpsd/probe && echo region-writable; "
               f"touch {env.paths.pipe_dir}/x 2>/dev/null && echo pipe-writable || echo pipe-read-only")
     r = run_claim(podman, env, ids["a"], ["sh", "-c", script], fake_cuda_dir, cuclient)
     assert r.returncode == 0, r.output
@@ -85,7 +85,7 @@ def test_a_container_gets_its_claims_slice_through_cdi(podman, env, prepared, fa
     assert seen["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4G"
     assert seen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert seen["CUDA_MPS_PIPE_DIRECTORY"] == env.paths.pipe_dir
-    assert seen["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so" and seen["MPSSHIM_REGION"] == "/run/mpsd/region-gpu"
+    assert seen["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so.3" and seen["MPSSHIM_REGION"] == "/run/mpsd/region-gpu"
     assert "libmpsshim.so" in r.stdout and "region-writable" in r.stdout and "pipe-read-only" in r.stdout
     assert os.path.exists(os.path.join(rec_a.region_dir, "probe"))  # the claim's own directory on the host
 

@@ -288,6 +288,33 @@ def test_a_claim_recorded_before_requests_had_devices_keeps_its_one_device(env):
     assert again.prepare(REF).requests == ()
 
 
+def test_a_claim_recorded_before_shim_layouts_keeps_preloading_the_shim_it_started_with(env):
+    """A record written by an mpsd before shim files were named by layout (no ``shim``): its
+    containers preload /run/mpsd-shim/libmpsshim.so (layout 2) and share a layout-2 region, so the
+    spec written back after an upgrade names that file again, never the new layout's; a claim
+    prepared now preloads libmpsshim.so.3 (mpsd/alloc/shimfile.py)."""
+    env.claims.put(claim(results=[result(memory="20Gi", compute="25")]))
+    p = env.loaded()
+    rec = p.prepare(REF)
+    assert rec.shim == "libmpsshim.so.3"
+    old = {k: v for k, v in rec.to_json().items() if k != "shim"}
+    p.store.put_many([PreparedClaim.from_json(old)])
+    p.store.close()
+    (env.cdi_dir / rec.spec_name).unlink()  # a reboot emptied /var/run/cdi
+    again = env.loaded()
+    (device,) = json.loads((env.cdi_dir / rec.spec_name).read_text())["devices"]
+    assert dict(e.split("=", 1) for e in device["containerEdits"]["env"])["LD_PRELOAD"] == (
+        "/run/mpsd-shim/libmpsshim.so")
+    assert again.prepare(REF).shim == "libmpsshim.so"
+
+
+def test_a_record_naming_no_shim_file_is_refused_in_one_line():
+    from mpsd.alloc.shimfile import shim_name
+
+    with pytest.raises(MpsdError, match=r"bad shim file name '../x': expected libmpsshim.so or"):
+        shim_name("../x")
+
+
 @pytest.mark.parametrize("request_name", ["B", "a_b", "-a", "a" * 64, "a/b"])
 def test_a_request_name_that_cannot_name_a_cdi_device_is_refused(request_name):
     with pytest.raises(DraError, match="bad request name"):

@@ -159,7 +159,7 @@ def test_a_claim_on_the_api_server_is_prepared_and_unprepared(env, apiserver, ru
     entry = running.kubelet.prepare(CLAIM).claims["uid-1"]
     assert entry.error == "" and list(entry.devices[0].cdi_device_ids) == ["mpsd.io/claim=uid-1_gpu"]
     assert (env.cdi_dir / "mpsd.io-claim_uid-1.json").exists()
-    assert os.path.exists(os.path.join(env.paths.shim_host_dir, "libmpsshim.so"))
+    assert os.path.exists(os.path.join(env.paths.shim_host_dir, "libmpsshim.so.3"))
     assert any(m == "GET" and "/namespaces/ns/resourceclaims/c1" in u for m, u in apiserver.requests)
     assert running.kubelet.unprepare(CLAIM).claims["uid-1"].error == ""
     assert os.listdir(env.cdi_dir) == []

@@ -56,7 +56,7 @@ def test_run_plugin_serves_until_stopped(short_dir):
         assert kubelet.registered.wait(10), errors
         req = kubelet.requests[0]
         assert (req.resource_name, req.version) == ("mpsd.io/gpu", "v1beta1")
-        assert (short_dir / "lib" / "libmpsshim.so").read_bytes() == shim_lib.read_bytes()
+        assert (short_dir / "lib" / "libmpsshim.so.3").read_bytes() == shim_lib.read_bytes()
         _, s = stub(str(kubelet_dir / req.endpoint))
         reply = allocate(s, [f"{g[0].uuid}::0"])
         assert reply.container_responses[0].envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G"

@@ -123,7 +123,7 @@ def test_uneven_requests_on_one_gpu(started, env):
     for r in (r1, r2):
         assert r.envs["NVIDIA_VISIBLE_DEVICES"] == g[0].uuid
         assert r.envs["CUDA_MPS_PIPE_DIRECTORY"] == env.paths.pipe_dir
-        assert r.envs["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so"
+        assert r.envs["LD_PRELOAD"] == "/run/mpsd-shim/libmpsshim.so.3"
         assert r.envs["MPSSHIM_REGION"] == "/run/mpsd/region"
         assert r.envs["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     regions = {m.host_path for r in (r1, r2) for m in r.mounts if m.container_path == "/run/mpsd"}
@@ -282,9 +282,9 @@ def test_shim_is_installed_atomically_at_start(env, kubelet, tmp_path):
     plugin = env.plugin(gpus(80), shim_library=str(lib))
     plugin.start()
     plugin.stop()
-    installed = os.path.join(env.paths.shim_host_dir, "libmpsshim.so")
+    installed = os.path.join(env.paths.shim_host_dir, "libmpsshim.so.3")
     assert open(installed, "rb").read() == b"\x7fELF fake shim v1"
-    assert os.listdir(env.paths.shim_host_dir) == ["libmpsshim.so"]  # no temporary left behind
+    assert os.listdir(env.paths.shim_host_dir) == ["libmpsshim.so.3"]  # no temporary left behind
     lib.write_bytes(b"\x7fELF fake shim v2")
     before = os.stat(installed).st_ino
     plugin = env.plugin(gpus(80), shim_library=str(lib))

@@ -34,7 +34,7 @@ def test_container_env(devices, expected):
     assert env == {
         **expected,
         "CUDA_MPS_PIPE_DIRECTORY": "/run/mps",
-        "LD_PRELOAD": "/run/mpsd-shim/libmpsshim.so",
+        "LD_PRELOAD": "/run/mpsd-shim/libmpsshim.so.3",
         "MPSSHIM_REGION": "/run/mpsd/region",
         # the container's processes share one cap: frameworks allocate on demand (issue 21, defect 8)
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
