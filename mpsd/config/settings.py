@@ -423,7 +423,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("devicePlugin.regionDir", "region-dir", _path, "/var/lib/mpsd/regions",
             "host directory with one accounting region per allocation"),
     Setting("devicePlugin.shimHostDir", "shim-host-dir", _path, "/var/lib/mpsd/lib",
-            "host directory where libmpsshim.so is installed for pods"),
+            "host directory where the shim is installed for pods, one file per region layout (libmpsshim.so.3; an older mpsd's libmpsshim.so is left for the containers it served)"),
     Setting("devicePlugin.ipcMode", "ipc-mode", _choice(IPC_MODES), "hostIPC",
             "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
     Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm",
