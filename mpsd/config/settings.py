@@ -240,7 +240,9 @@ def _mig_pipe_root(value: Any) -> str:
     return path
 
 
-@_accepts(type=["string", "integer"], minimum=1, maximum=100, pattern="^(auto|0*([1-9][0-9]?|100))$")
+# a string of at most 20 digits, as units.is_decimal takes
+@_accepts(type=["string", "integer"], minimum=1, maximum=100,
+          pattern="^(auto|0{0,19}[1-9]|0{0,18}[1-9][0-9]|0{0,17}100)$")
 def _slices_per_instance(value: Any) -> str | int:
     """mig.slicesPerInstance: auto, or an integer 1..100."""
     if value == "auto":
@@ -423,7 +425,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("devicePlugin.regionDir", "region-dir", _path, "/var/lib/mpsd/regions",
             "host directory with one accounting region per allocation"),
     Setting("devicePlugin.shimHostDir", "shim-host-dir", _path, "/var/lib/mpsd/lib",
-            "host directory where the shim is installed for pods, one file per region layout (libmpsshim.so.3; an older mpsd's libmpsshim.so is left for the containers it served)"),
+            "host directory where the shim is installed for pods, one file per region layout "
+            "(libmpsshim.so.3; an older mpsd's libmpsshim.so is left for the containers it served)"),
     Setting("devicePlugin.ipcMode", "ipc-mode", _choice(IPC_MODES), "hostIPC",
             "hostIPC | tmpfs: how pods share /dev/shm with the daemon"),
     Setting("devicePlugin.shmDir", "shm-dir", _path, "/var/lib/mpsd/shm",
