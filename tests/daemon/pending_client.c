@@ -10,6 +10,7 @@
  * container. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -35,6 +36,7 @@ int main(int argc, char **argv) {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     const int client = 2;
     char buf[64];
+    ssize_t got;
     int fd;
     if (argc != 3 || strlen(argv[1]) >= sizeof addr.sun_path) {
         fprintf(stderr, "usage: pending_client CONTROL_SOCKET LIBCUDA\n");
@@ -50,8 +52,11 @@ int main(int argc, char **argv) {
         perror("pending_client: connect");
         return 1;
     }
-    if (recv(fd, buf, sizeof buf, 0) <= 0 || strcmp(buf, "OUTBHELL") != 0) {
-        fprintf(stderr, "pending_client: no hello from the daemon\n");
+    memset(buf, 0, sizeof buf);
+    got = recv(fd, buf, sizeof buf - 1, 0);
+    if (got <= 0 || strcmp(buf, "OUTBHELL") != 0) {
+        fprintf(stderr, "pending_client: no hello from the daemon: recv returned %zd (%s), \"%.*s\"\n", got,
+                got < 0 ? strerror(errno) : got == 0 ? "closed" : "data", got > 0 ? (int)got : 0, buf);
         return 1;
     }
     if (send_with_credentials(fd, "OUTBCRED", 9) != 0 || send_with_credentials(fd, &client, sizeof client) != 0) {

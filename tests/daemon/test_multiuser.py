@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -181,15 +182,24 @@ def world(fake_cuda_dir):
     shutil.rmtree(root)
 
 
-def start_client(world: Path, pipe_dir: str, uid: int, procs: list) -> subprocess.Popen:
+def start_client(world: Path, config: cfg.Config, uid: int, procs: list) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [str(world / "pending_client"), f"{pipe_dir}/control", str(world / "libcuda.so.1")],
+        [str(world / "pending_client"), f"{config.pipe_dir}/control", str(world / "libcuda.so.1")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, user=uid, group=uid,
         extra_groups=[],
     )
     procs.append(proc)
-    line = proc.stdout.readline()
-    assert line == f"pending {proc.pid}\n", (line, proc.stderr.read() if proc.poll() is not None else "running")
+    said = select.select([proc.stdout], [], [], 60)[0]
+    line = proc.stdout.readline() if said else ""
+    if line != f"pending {proc.pid}\n":  # what the client and the daemon said (restarted? another connection?)
+        log = Path(config.log_dir) / "control.log"
+        tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else ["no control.log"]
+        try:
+            proc.wait(10)
+            stderr = proc.stderr.read()
+        except subprocess.TimeoutExpired:
+            stderr = "still running" if said else "still running, silent for 60s"
+        raise AssertionError(f"client of uid {uid}: {line!r}, {stderr!r}; the daemon's last lines:\n" + "\n".join(tail))
     return proc
 
 
@@ -212,13 +222,13 @@ def test_a_client_waiting_for_another_uids_server_is_named_within_a_health_inter
     pump = InventoryPump(None, metrics, None)
     r = run_supervisor(config, on_status=_observer(metrics, pump))
     r.wait_for(lambda s: s.configured, what="configured")
-    first = start_client(world, config.pipe_dir, 1000, procs)
+    first = start_client(world, config, 1000, procs)
     wait_until(lambda: len(r.sup.status().servers) == 1, what="a server for uid 1000")
     server = r.sup.status().servers[0]
     assert uid_of(server) == 1000
-    same_uid = start_client(world, config.pipe_dir, 1000, procs)  # waits for its own server only
+    same_uid = start_client(world, config, 1000, procs)  # waits for its own server only
     checks = r.sup.status().health_checks
-    other = start_client(world, config.pipe_dir, 1001, procs)
+    other = start_client(world, config, 1001, procs)
     wait_until(lambda: r.sup.status().waiting, what="the waiting client reported")
     # the first health check that began after it connected saw it (the one running then may not)
     assert r.sup.status().health_checks <= checks + 2
@@ -264,9 +274,9 @@ def test_multi_user_auto_serves_every_uid_where_the_daemon_can(
     assert r.sup.status().multi_user is multi
     assert multiuser.daemon_is_multi_user(daemon) is multi
     assert metric(metrics.scrape().decode(), "mpsd_mps_multi_user") == (1 if multi else 0)
-    start_client(world, config.pipe_dir, 1000, procs)
+    start_client(world, config, 1000, procs)
     wait_until(lambda: len(r.sup.status().servers) == 1, what="a server")
-    other = start_client(world, config.pipe_dir, 1001, procs)
+    other = start_client(world, config, 1001, procs)
     checks = r.sup.status().health_checks
     wait_until(lambda: r.sup.status().health_checks >= checks + 2, what="two health checks")
     log = (Path(config.log_dir) / "control.log").read_text()
@@ -310,7 +320,7 @@ def test_a_waiting_client_in_a_pod_is_named_with_its_pod(make_config, run_superv
     config = make_config(**{"multi-user": "off", "shutdown-timeout": "1s"})
     r = run_supervisor(config)
     r.wait_for(lambda s: s.configured, what="configured")
-    start_client(world, config.pipe_dir, 1000, procs)
+    start_client(world, config, 1000, procs)
     wait_until(lambda: len(r.sup.status().servers) == 1, what="a server for uid 1000")
     pod = str(uuid.uuid4())
     release = Path(tempfile.mkdtemp(prefix="mu", dir="/tmp"))

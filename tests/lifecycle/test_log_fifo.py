@@ -17,13 +17,13 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from mpsd.daemon import logfifo
 from mpsd.node import _ready
 from tests.daemon.test_genuine import kill_and_reap, start
+from tests.lifecycle.test_session_verdicts import read_to_end
 from tests.lifecycle.test_supervisor import wait_until
 
 pytestmark = [
@@ -32,43 +32,52 @@ pytestmark = [
 ]
 TENANT = 1000
 
-# Opens the FIFO for writing, writes until it is full (never blocking), writes its PID, then
-# keeps the FIFO open until the release file appears.
+# Opens the FIFO for writing, writes until it is full (never blocking), writes its PID on the
+# pid pipe, then keeps the FIFO open until the release pipe ends (the test closes its end, or
+# exits). Pipes, not files under pytest's tmp tree: another pytest session chmods
+# /tmp/pytest-of-root back to 0700, and UID 1000 then sees no file there.
 FILLER = """
-import os, sys, time
-path, pid_file, release = sys.argv[1:4]
+import os, select, sys
+path, pid_fd, release_fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
 try:
     while True:
         os.write(fd, bytes(4096))
 except BlockingIOError:
     pass
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.rename(pid_file + ".tmp", pid_file)
-deadline = time.monotonic() + 120
-while not os.path.exists(release) and time.monotonic() < deadline:
-    time.sleep(0.05)
+os.write(pid_fd, str(os.getpid()).encode())
+os.close(pid_fd)
+select.select([release_fd], [], [], 120)  # readable at end of file: released
 """
 
 
 class Filler:
     """A UID-1000 process that fills ``<pipeDir>/log`` and holds it open until released."""
 
-    def __init__(self, fifo: str, signals: Path) -> None:
-        signals.mkdir(mode=0o777, exist_ok=True)
-        os.chmod(signals, 0o777)
-        self.pid_file, self.release_file = signals / "filler.pid", signals / "release"
-        self.proc = subprocess.Popen(
-            ["/usr/bin/python3", "-c", FILLER, fifo, str(self.pid_file), str(self.release_file)],
-            user=TENANT, group=TENANT, extra_groups=[],
-        )
-        wait_until(lambda: self.pid_file.exists() or self.proc.poll() is not None, what="the FIFO filled")
-        assert self.proc.poll() is None, f"the filler exited with {self.proc.returncode}"
-        self.pid = int(self.pid_file.read_text())
+    def __init__(self, fifo: str) -> None:
+        pid_r, pid_w = os.pipe()
+        release_r, self._release = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                ["/usr/bin/python3", "-c", FILLER, fifo, str(pid_w), str(release_r)],
+                user=TENANT, group=TENANT, extra_groups=[], pass_fds=(pid_w, release_r),
+            )
+        except BaseException:
+            os.close(pid_r)
+            os.close(self._release)
+            raise
+        finally:
+            os.close(pid_w)  # the filler's copy is the only one left: end of file once it has written
+            os.close(release_r)
+        try:
+            said = read_to_end(pid_r)
+        finally:
+            os.close(pid_r)
+        assert said, f"the filler exited with {self.proc.wait(30)} before filling the FIFO"
+        self.pid = int(said)
 
     def release(self) -> None:
-        self.release_file.touch()
+        os.close(self._release)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -86,7 +95,7 @@ def test_a_writer_filling_the_log_fifo_after_a_restart_never_gets_the_daemon_kil
     wait_until(lambda: r.sup.status().pid not in (None, first) and r.sup.status().state == "running"
                and _ready(r.board)[0], what="the daemon restarted")
     pid, restarts = r.sup.status().pid, r.sup.status().restarts
-    filler = Filler(os.path.join(config.pipe_dir, "log"), Path(config.pipe_dir).parent / "signals")
+    filler = Filler(os.path.join(config.pipe_dir, "log"))
     try:
         wait_until(lambda: not _ready(r.board)[0] or r.sup.status().pid != pid, what="readiness lost")
         assert r.sup.status().pid == pid and r.sup.status().restarts == restarts, r.sup.status().last_error
@@ -112,7 +121,7 @@ def test_a_daemon_blocked_on_its_log_fifo_is_seen_from_its_threads(make_config):
     fifo = os.path.join(config.pipe_dir, "log")
     try:
         assert logfifo.blocked(daemon, config.pipe_dir) is None
-        filler = Filler(fifo, Path(config.pipe_dir).parent / "signals")
+        filler = Filler(fifo)
         try:
             try:  # a command makes the daemon log a line: it blocks there, and the front-end waits
                 subprocess.run([config.control_binary], input="get_server_list\n", timeout=5,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,21 +28,21 @@ pytestmark = [
 TENANT = 1000
 
 # Connects to the socket, forks, and the parent exits: the child keeps the session, silent,
-# until the release file appears. Its PID goes to the pid file.
+# until the release pipe ends (the test closes its end, or exits). Its PID goes out on the pid
+# pipe. Pipes, not files: a file under pytest's tmp tree stops being reachable to UID 1000 as
+# soon as another pytest session starts (it chmods /tmp/pytest-of-root back to 0700), and the
+# child then never sees its release and holds the session until its own deadline.
 FORKED_HOLDER = """
-import os, socket, sys, time
-path, pid_file, release = sys.argv[1:4]
+import os, select, socket, sys
+path, pid_fd, release_fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(path)
 if os.fork():
     os._exit(0)
 os.setsid()
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.rename(pid_file + ".tmp", pid_file)
-deadline = time.monotonic() + 120
-while not os.path.exists(release) and time.monotonic() < deadline:
-    time.sleep(0.05)
+os.write(pid_fd, str(os.getpid()).encode())
+os.close(pid_fd)
+select.select([release_fd], [], [], 120)  # readable at end of file: released
 """
 
 
@@ -57,25 +57,44 @@ def gone(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2:].startswith(b"Z")
 
 
+def read_to_end(fd: int, timeout: float = 60.0) -> bytes:
+    """What is written into the pipe ``fd`` until its writers have all closed it (bounded)."""
+    deadline, chunks = time.monotonic() + timeout, []
+    while True:
+        assert select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0], "timed out reading a pipe"
+        chunk = os.read(fd, 64)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
 class ForkedHolder:
     """A UID-1000 front-end that connected to ``control`` and left the session to its child."""
 
-    def __init__(self, pipe_dir: str, signals: Path) -> None:
-        signals.mkdir(mode=0o777, exist_ok=True)
-        os.chmod(signals, 0o777)
-        self.pid_file, self.release_file = signals / "holder.pid", signals / "release"
-        parent = subprocess.run(
-            ["/usr/bin/python3", "-c", FORKED_HOLDER, os.path.join(pipe_dir, "control"),
-             str(self.pid_file), str(self.release_file)],
-            user=TENANT, group=TENANT, extra_groups=[], timeout=60, check=True,
-        )
-        self.parent = parent.args  # exited: SO_PEERCRED names a PID that is gone
-        wait_until(self.pid_file.exists, what="the child holding the session")
-        self.child = int(self.pid_file.read_text())
+    def __init__(self, pipe_dir: str) -> None:
+        pid_r, pid_w = os.pipe()
+        release_r, self._release = os.pipe()
+        try:
+            try:
+                parent = subprocess.run(
+                    ["/usr/bin/python3", "-c", FORKED_HOLDER, os.path.join(pipe_dir, "control"), str(pid_w),
+                     str(release_r)],
+                    user=TENANT, group=TENANT, extra_groups=[], timeout=60, check=True, pass_fds=(pid_w, release_r),
+                )
+            finally:
+                os.close(pid_w)  # only the child's copy is left: end of file once it has written
+                os.close(release_r)
+            self.parent = parent.args  # exited: SO_PEERCRED names a PID that is gone
+            self.child = int(read_to_end(pid_r))  # the child holding the session
+        except BaseException:
+            os.close(self._release)  # a child that did start lets go
+            raise
+        finally:
+            os.close(pid_r)
 
     def release(self) -> None:
         """The child lets go (it closes the session by exiting); SIGKILLed if it does not."""
-        self.release_file.touch()
+        os.close(self._release)
         try:
             wait_until(lambda: gone(self.child), what="the holder gone")
         finally:
@@ -91,7 +110,7 @@ def test_a_session_left_to_a_forked_child_never_gets_the_daemon_killed(make_conf
     r = run_supervisor(config)
     r.wait_for(lambda s: s.configured, what="configured")
     pid = r.sup.status().pid
-    holder = ForkedHolder(config.pipe_dir, Path(config.pipe_dir).parent / "signals")
+    holder = ForkedHolder(config.pipe_dir)
     try:
         wait_until(lambda: not _ready(r.board)[0] or r.sup.status().pid != pid, what="readiness lost")
         assert r.sup.status().pid == pid and r.sup.status().restarts == 0, r.sup.status().last_error
@@ -111,7 +130,7 @@ def test_sessions_follow_the_socket_not_the_pid(make_config):
     config = make_config()
     daemon = start(config)
     try:
-        holder = ForkedHolder(config.pipe_dir, Path(config.pipe_dir).parent / "signals")
+        holder = ForkedHolder(config.pipe_dir)
         try:
             found = peer.sessions(daemon, config.pipe_dir)
             assert found.unreadable == "" and len(found.peers) == 1, found
@@ -165,7 +184,7 @@ def test_sessions_mpsd_cannot_read_are_inconclusive_never_a_kill(make_config, ru
     try:
         r = run_supervisor(config, on_status=on_status)
         r.wait_for(lambda s: s.daemon_up and s.configured and dropped, what="adopted, CAP_SYS_PTRACE dropped")
-        holder = ForkedHolder(config.pipe_dir, Path(config.pipe_dir).parent / "signals")
+        holder = ForkedHolder(config.pipe_dir)
         try:
             wait_until(lambda: not _ready(r.board)[0] or r.sup.status().pid != daemon, what="readiness lost")
             assert r.sup.status().pid == daemon and r.sup.status().restarts == 0, r.sup.status().last_error

@@ -94,14 +94,14 @@ def test_the_lock_is_taken_whenever_its_holder_goes(pipe):
 
 def test_a_stop_while_standing_by_takes_nothing(pipe):
     proc = holder(pipe)
-    standby = standby_for(pipe, poll=5.0)  # a stop does not wait for the next try
+    standby = standby_for(pipe, poll=60.0)  # a stop does not wait for the next try
     try:
         waiting = Waiting(standby)
         time.sleep(0.3)
         began = time.monotonic()
         standby.stop()
         assert waiting.join() is None and standby.fd is None
-        assert time.monotonic() - began < 4.0
+        assert time.monotonic() - began < 30  # not the minute until the next try (a loaded machine's margin)
         with pytest.raises(dirs.PipeDirHeld) as held:
             dirs.hold_pipe_dir(str(pipe), state(pipe))
         assert held.value.pid == proc.pid
