@@ -17,7 +17,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.cluster.conftest import CLUSTER_DIR, client_pod
+from tests.cluster.conftest import CLUSTER_DIR, client_pod, forget_install
 from tests.cluster.kube import REPO, Kube, component, holding, running, wait_for
 from tests.cluster.test_dra import claim, exactly
 from tests.cluster.test_upgrade import CACHE, daemon_pids, pods
@@ -54,6 +54,7 @@ def names(kube: Kube, kind: str, namespace: str | None = "mpsd-system") -> list[
 
 def test_uninstall_as_documented(dra: Kube, ns: str) -> None:
     kube = dra
+    forget_install()  # whatever this module leaves, the next module installs again
     kube.apply(claim("c", ns, exactly("gpu", "1Gi")))
     kube.apply(client_pod("t", ns, "256M", claims=[{"name": "gpu", "resourceClaimName": "c"}]))
     wait_for("pod t Running", running(kube, "t", ns), timeout=240)
