@@ -106,6 +106,10 @@ def test_kustomize_to_helm_as_documented(kube: Kube) -> None:
         return (len(now) == 1 and now[0]["metadata"]["uid"] != old_mpsd["metadata"]["uid"]
                 and all(c.get("ready") for c in now[0]["status"].get("containerStatuses", [{}])))
     wait_for("mpsd's pod the chart's", rolled, timeout=300)
+    upgraded = run_doc(kube, "helm upgrade mpsd deploy/helm/mpsd -n mpsd-system " + " ".join(VALUES)
+                       + " --set image.tag=0.1.0-migrated -o json")  # a changed image: no field conflict
+    assert '"status":"deployed"' in upgraded.replace(" ", ""), upgraded[-1000:]
+    run_doc(kube, "helm upgrade mpsd deploy/helm/mpsd -n mpsd-system " + " ".join(VALUES))  # back: an image that exists
     [kept] = pods(kube, "daemon-holder")
     assert kept["metadata"]["uid"] == holder["metadata"]["uid"] and daemon_pids(kept) == pids
     # the holder, OnDelete, is replaced when its clients can stop (the chart's README): now
