@@ -5,6 +5,7 @@
 #   scripts/cluster.sh down                            stop it and remove what up made
 #   scripts/cluster.sh install [--mode dra|device-plugin]  (re)install the chart in that mode
 #   scripts/cluster.sh status                          which of its processes run
+#   scripts/cluster.sh restart kubelet|containerd      stop one (TERM, by PID) and start it again
 #
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy and kubectl from
 # the k8s.io/kubernetes Go module, etcd, containerd 2 with CDI, the CNI plugins and crictl, all
@@ -38,11 +39,13 @@ die() { say "$*"; exit 1; }
 . "$here/node.sh"
 . "$here/procs.sh"
 
-usage="usage: scripts/cluster.sh up [--mode dra|device-plugin] | install [--mode dra|device-plugin] | down | status"
+usage="usage: scripts/cluster.sh up [--mode dra|device-plugin] | install [--mode dra|device-plugin] | down | status | restart kubelet|containerd"
 cmd=${1:-}; shift || true
 mode=dra
+which=""
 while [ $# -gt 0 ]; do
     case $1 in
+        kubelet|containerd) [ "$cmd" = restart ] && [ -z "$which" ] || die "unknown argument '$1'; $usage"; which=$1; shift ;;
         --mode) mode=${2:-}; shift 2 || true ;;
         --mode=*) mode=${1#--mode=}; shift ;;
         *) die "unknown argument '$1'; $usage" ;;
@@ -192,14 +195,12 @@ up() {
     make_network
     write_fake_gpu && touch "$dir/made-cdi-spec"
     write_cni_config; write_containerd_config; write_kubelet_config; write_kube_proxy_config
-    start_proc containerd containerd --config "$dir/containerd/config.toml"
-    wait_for containerd 60 ctr --address "$CONTAINERD_SOCK" version
+    start_containerd
     pause_image
     "$REPO/scripts/image.sh" --load containerd --containerd-address "$CONTAINERD_SOCK" >"$dir/logs/image.log" 2>&1 \
         || die "scripts/image.sh failed: $(tail -n 1 "$dir/logs/image.log") (log: $dir/logs/image.log)"
     start_control_plane
-    start_proc kubelet kubelet --config "$dir/kubelet/config.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
-        --hostname-override "$NODE_NAME" --node-ip "$NODE_IP"
+    start_kubelet
     start_proc kube-proxy kube-proxy --config "$dir/kube-proxy.yaml"
     wait_for "node $NODE_NAME Ready" 180 sh -c \
         "kubectl --kubeconfig '$dir/admin.kubeconfig' get node $NODE_NAME -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -q True"
@@ -209,8 +210,30 @@ up() {
     printf 'export KUBECONFIG=%s\nexport CONTAINERD_ADDRESS=%s\n' "$dir/admin.kubeconfig" "$CONTAINERD_SOCK" | tee "$dir/env"
 }
 
+start_containerd() {
+    start_proc containerd containerd --config "$dir/containerd/config.toml"
+    wait_for containerd 60 ctr --address "$CONTAINERD_SOCK" version
+}
+
+start_kubelet() {
+    start_proc kubelet kubelet --config "$dir/kubelet/config.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
+        --hostname-override "$NODE_NAME" --node-ip "$NODE_IP"
+}
+
+# restart kubelet|containerd: what an operator's `systemctl restart` does; pods keep running
+restart() {
+    [ -n "$which" ] || die "$usage"
+    alive "$which" || die "$which is not running: scripts/cluster.sh up first"
+    components
+    stop "$which"
+    "start_$which"
+    [ "$which" = kubelet ] && wait_for "kubelet healthz" 120 http_ok http://127.0.0.1:10248/healthz
+    say "$which restarted (PID $(cut -d' ' -f1 "$dir/pids/$which"))"
+}
+
 case $cmd in
     up) up ;;
+    restart) restart ;;
     install) install ;;
     down) down ;;
     status) running_procs || echo "down" ;;

@@ -69,8 +69,6 @@ class SliceKeeper:
 
         threads: list[tuple[str, Callable[[], None]]] = [("mpsd-dra-stop", wake_at_stop)]
         watch, board = self.watch, self.board
-        if watch is not None:
-            threads.append(("mpsd-dra-slice-watch", lambda: self._watch_loop(stop, watch)))
         if board is not None:
             threads.append(("mpsd-dra-health", lambda: self._board_loop(stop, board)))
         for name, target in threads:
@@ -79,21 +77,31 @@ class SliceKeeper:
         while not stop.is_set():
             self.wake.clear()
             self._list_gpus()
-            try:
-                self.publish_once()
-                self.failures, last = 0, ""
-                wait = self._next_wait()
-            except Exception as exc:  # noqa: BLE001 (an answer of a shape nobody expected too: retried, not fatal)
+            failure = self._try_publish()
+            if watch is not None:  # after the first publish: the watch's first ADDED events are then known slices
+                threading.Thread(target=self._watch_loop, args=(stop, watch), name="mpsd-dra-slice-watch",
+                                 daemon=True).start()
+                watch = None
+            if failure:
                 self.failures += 1
                 wait = self.delay(self.failures)
-                text = str(exc) if isinstance(exc, (MpsdError, ValueError)) else f"{type(exc).__name__}: {exc}"
-                if text != last:
-                    log.error("resourceslices not published (retrying with back-off, next in %.1fs): %s", wait, text)
-                last = text
+                if failure != last:
+                    log.error("resourceslices not published (retrying with back-off, next in %.1fs): %s", wait, failure)
+                last = failure
                 if stop.wait(wait):  # a failure waits its back-off whatever wakes the loop
                     return
                 continue
-            self.wake.wait(wait)
+            self.failures, last = 0, ""
+            self.wake.wait(self._next_wait())
+
+    def _try_publish(self) -> str:
+        """publish_once; what failed, in one line, or "" when it did not."""
+        try:
+            self.publish_once()
+        except Exception as exc:  # noqa: BLE001 (an answer of a shape nobody expected too: retried, not fatal)
+            text = str(exc) if isinstance(exc, (MpsdError, ValueError)) else f"{type(exc).__name__}: {exc}"
+            return text or type(exc).__name__
+        return ""
 
     def publish_once(self) -> bool:
         taints = self._taints()
@@ -174,5 +182,4 @@ class SliceKeeper:
 
     def _foreign(self, kind: str, obj: dict[str, Any]) -> bool:
         """An event that is not the echo of one of mpsd's own writes."""
-        version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-        return kind in ("DELETED", "ERROR") or version not in self.publisher.own_versions
+        return kind in ("DELETED", "ERROR") or not self.publisher.is_own(obj)

@@ -32,7 +32,9 @@ and the garbage collector with their Node.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -42,6 +44,7 @@ from .slices import GpuLike, build_devices, build_slices, comparable, dropped_fi
 log = logging.getLogger(__name__)
 
 DEFAULT_RESYNC_INTERVAL = 300.0  # a watch tells of changes at once; the resync only backs it up
+OWN_VERSIONS = 64  # resourceVersions of mpsd's latest writes that a watch's echoes are matched with
 GATE_ADVICE = {
     "DRAConsumableCapacity": "capacity mode needs it (beta and on by default from 1.36): set dra.mode: slices "
                              "on this cluster, or turn the gate on in kube-apiserver and kube-scheduler",
@@ -76,12 +79,26 @@ class SlicePublisher:
         self._kept: tuple[list[Obj], list[Obj]] | None = None  # (wanted, what the server kept of it)
         self._checked = 0.0
         self._logged: set[str] = set()
-        self.own_versions: set[str] = set()  # resourceVersions of our last writes (a watch skips them)
+        self.own_versions: deque[str] = deque(maxlen=OWN_VERSIONS)  # of our latest writes (a watch skips them)
+        self._lock = threading.Lock()  # held while publishing: ``is_own`` waits for the write to end
 
     def publish(self, gpus: Sequence[GpuLike], driver_version: str = "",
                 taints: Mapping[int, Sequence[Obj]] | None = None) -> bool:
         """Make the server's slices match ``gpus`` (with ``taints`` by GPU index); True if
         anything was written. ValueError for a bad mode or GPU, KubeAPIError when the API server fails."""
+        with self._lock:
+            return self._publish(gpus, driver_version, taints)
+
+    def is_own(self, obj: Obj) -> bool:
+        """A watched slice is the echo of one of mpsd's writes. Decided once a publish under way
+        has ended: the API server may send the watch event before the write's own answer is read
+        (seen on a real node), and only then is its resourceVersion known here."""
+        version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        with self._lock:
+            return bool(version) and version in self.own_versions
+
+    def _publish(self, gpus: Sequence[GpuLike], driver_version: str,
+                 taints: Mapping[int, Sequence[Obj]] | None) -> bool:
         devices = build_devices(gpus, self.mode, self.slices_per_gpu, driver_version, taints)
         want = _sorted(comparable(devices))
         if want == self._published and self._clock() - self._checked < self.resync_interval:
@@ -105,21 +122,20 @@ class SlicePublisher:
         new = build_slices(devices, self.driver, self.node, self.generation + 1, self.node_uid)
         expected = self._kept[1] if self._kept is not None and self._kept[0] == want else want
         if self._current(existing, expected, len(new)):
+            self._own(existing)  # a watch's first ADDED of them (written before mpsd started) is no news
             return False
         stored: list[Obj] = []
-        versions: set[str] = set()
         pairs, surplus = _pair(new, existing)
         for obj, old in pairs:
             if old is None:
-                stored.append(self._stored(self.api.create_resource_slice(obj), versions))
+                stored.append(self._own([self.api.create_resource_slice(obj)])[0])
                 continue
             kept = {k: v for k, v in old["metadata"].items() if k not in ("managedFields", "ownerReferences")}
             obj["metadata"] = {**kept, **{k: v for k, v in obj["metadata"].items() if k == "ownerReferences"}}
-            stored.append(self._stored(self.api.update_resource_slice(obj), versions))
+            stored.append(self._own([self.api.update_resource_slice(obj)])[0])
         for old in surplus:
             self._delete(old["metadata"]["name"])
         self.generation += 1
-        self.own_versions = versions
         if self.metrics is not None:
             self.metrics.slices_written(len(new))
         log.info("resourceslices published node=%s driver=%s mode=%s generation=%d devices=%d slices=%d",
@@ -127,12 +143,13 @@ class SlicePublisher:
         self._check_dropped(devices, [d for s in stored for d in (s.get("spec") or {}).get("devices") or []], want)
         return True
 
-    @staticmethod
-    def _stored(answer: Obj, versions: set[str]) -> Obj:
-        version = (answer.get("metadata") or {}).get("resourceVersion")
-        if version:
-            versions.add(str(version))
-        return answer
+    def _own(self, slices: list[Obj]) -> list[Obj]:
+        """Remember the resourceVersions of ``slices`` (written or found current) as mpsd's own."""
+        for s in slices:
+            version = (s.get("metadata") or {}).get("resourceVersion")
+            if version and str(version) not in self.own_versions:
+                self.own_versions.append(str(version))
+        return slices
 
     def _check_dropped(self, sent: list[Obj], stored: list[Obj], want: list[Obj]) -> None:
         """Compare what was written with what the server stored (see the module docstring)."""
@@ -168,6 +185,10 @@ class SlicePublisher:
 
     def remove(self) -> int:
         """Delete the node's slices of the driver (DRA turned off, mpsd uninstalled); the number deleted."""
+        with self._lock:
+            return self._remove()
+
+    def _remove(self) -> int:
         self._published = None
         names = [s["metadata"]["name"] for s in self.api.list_resource_slices(self.driver, self.node)]
         for name in names:

@@ -3,7 +3,9 @@
 - ``kube`` (session): a cluster that is up, brought up here (``up --mode dra``) when none is and
   taken down at the end unless MPSD_CLUSTER_KEEP=1. A cold machine builds the components first
   (docs/benchmarks.md: about half an hour), so these tests have an hour each.
-- ``device_plugin`` / ``dra`` (module): the chart installed in that mode (``cluster.sh install``).
+- ``device_plugin`` / ``dra`` (module): the chart installed in that mode (``cluster.sh install``,
+  skipped when this session's ``up`` or last install left that mode; ``forget_install`` for a
+  module that changes the release itself).
 - ``ns`` (function): a fresh namespace holding the ConfigMap ``client`` (scripts/demo_client.py),
   deleted with everything in it afterwards.
 """
@@ -50,22 +52,39 @@ def kube() -> Iterator[Kube]:
             raise
         env = cluster_env()
         assert env is not None, "scripts/cluster.sh up returned but the cluster is not up"
+        _installed["mode"] = "dra"
     assert env is not None
     yield Kube(env["KUBECONFIG"], kubectl_path(CLUSTER_DIR))
     if started and os.environ.get("MPSD_CLUSTER_KEEP") != "1":
         _cluster("down", timeout=600)
 
 
+_installed: dict[str, str] = {}  # "mode": what `up` or the last install of this session left
+
+
+def forget_install() -> None:
+    """A module that uninstalls or reinstalls mpsd itself: the next fixture installs again."""
+    _installed.clear()
+
+
+def _install(kube: Kube, mode: str) -> Kube:
+    """The chart in ``mode``: `cluster.sh install` (the image rebuilt, helm upgrade --install)
+    unless this session's `up` or last install left that mode (about a minute saved a module)."""
+    if _installed.get("mode") != mode:
+        _installed.clear()
+        _cluster("install", "--mode", mode, timeout=900)
+        _installed["mode"] = mode
+    return kube
+
+
 @pytest.fixture(scope="module")
 def device_plugin(kube: Kube) -> Kube:
-    _cluster("install", "--mode", "device-plugin", timeout=900)
-    return kube
+    return _install(kube, "device-plugin")
 
 
 @pytest.fixture(scope="module")
 def dra(kube: Kube) -> Kube:
-    _cluster("install", "--mode", "dra", timeout=900)
-    return kube
+    return _install(kube, "dra")
 
 
 @pytest.fixture

@@ -126,3 +126,29 @@ def holding(kube: Kube, pod: str, namespace: str, timeout: float = 180, containe
             return text
         raise AssertionError(text)
     return wait_for(f"pod {pod} holding", probe, timeout=timeout)
+
+
+HOLDER_OFF = {"mpsd.io/holder-stopped": "true"}  # a label no node carries
+
+
+def stop_holder(kube: Kube) -> None:
+    """Keep the MPS daemon down: the holder DaemonSet's pods get a node selector no node matches,
+    so the DaemonSet controller deletes the node's holder pod (which quits the daemon) and makes
+    no other; mpsd, which only adopts a holder's daemon, waits. Tenants' claims, regions and
+    pods stay (the fake CUDA needs no daemon to keep running)."""
+    patch = [{"op": "add", "path": "/spec/template/spec/nodeSelector", "value": HOLDER_OFF}]
+    kube.run("-n", "mpsd-system", "patch", "daemonset", "mpsd-holder", "--type=json", "-p", json.dumps(patch))
+    wait_for("the holder pod gone", lambda: not kube.get("pods", "-n", "mpsd-system", "-l",
+                                                         "app.kubernetes.io/component=daemon-holder")["items"],
+             timeout=180)
+
+
+def start_holder(kube: Kube) -> None:
+    """Undo stop_holder: the holder's pod template as the chart made it, its pod Ready again."""
+    patch = [{"op": "remove", "path": "/spec/template/spec/nodeSelector"}]
+    kube.run("-n", "mpsd-system", "patch", "daemonset", "mpsd-holder", "--type=json", "-p", json.dumps(patch))
+
+    def ready() -> bool:
+        holders = kube.get("pods", "-n", "mpsd-system", "-l", "app.kubernetes.io/component=daemon-holder")["items"]
+        return len(holders) == 1 and all(c.get("ready") for c in holders[0]["status"].get("containerStatuses", [{}]))
+    wait_for("the holder pod ready", ready, timeout=240)

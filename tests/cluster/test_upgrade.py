@@ -91,7 +91,7 @@ def upgrade(dra: Kube) -> Iterator[Upgrade]:
                              "--set", "image.pullPolicy=Never", "--wait", "--timeout", "2m"],
                             capture_output=True, text=True, timeout=300, env={**env, "KUBECONFIG": kube.kubeconfig})
         took = time.monotonic() - start
-        print(f"helm upgrade --wait: exit {up.returncode} after {took:.1f} s")
+        print(f"helm upgrade --wait: exit {up.returncode} after {took:.1f} s", up.stderr.strip()[-1500:])
 
         def rolled() -> bool:
             now = pods(kube, "node-daemon")

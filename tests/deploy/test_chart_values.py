@@ -180,11 +180,26 @@ def test_the_default_namespace_is_refused() -> None:
 
 # 8. Runbook links.
 
+PROJECT = "https://github.com/mpsd-project/mpsd"  # the repository: Chart.yaml's home and sources
+DOCS = f"{PROJECT}/blob/main/docs"  # its docs/ as GitHub shows them
+
+
+def test_chart_names_the_project_and_its_docs() -> None:
+    """Before: home and sources were the placeholder https://mpsd.example/, and every default
+    runbook link with them; now the repository, and the links its docs/operations.md there."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["home"].rstrip("/") == PROJECT
+    assert [s.rstrip("/") for s in chart["sources"]] == [PROJECT]
+    for path in (REPO / "deploy" / "components" / "alerts").glob("*.y*ml"):
+        assert "mpsd.example" not in path.read_text(), path
+    for path in (REPO / "tests" / "deploy" / "alerts").glob("*.yml"):
+        assert "mpsd.example" not in path.read_text(), path
+
+
 def test_runbook_links_take_the_base_value() -> None:
     on = sets("monitoring.prometheusRule.enabled=true", "monitoring.renderWithoutCRDs=true")
-    home = yaml.safe_load((CHART / "Chart.yaml").read_text())["home"].rstrip("/")
     base = "https://wiki.example/mpsd/runbooks"
-    for value, expected in (("", f"{home}/docs/operations.md"), (base, base), (f"{base}/", base)):
+    for value, expected in (("", f"{DOCS}/operations.md"), (base, base), (f"{base}/", base)):
         rule = one(render(*on, *sets(f"monitoring.prometheusRule.runbookUrl={value}")), "PrometheusRule")
         alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
         assert alerts

@@ -185,3 +185,85 @@ def test_an_unexpected_error_is_retried_not_fatal(apiserver: StandInAPIServer, a
         stop.set()
         thread.join(10)
     assert not thread.is_alive()
+
+
+class EchoingAPI:
+    """A slice API whose writes answer only after the watch has handed the keeper their echo
+    (bounded): as the real API server did (the watch's ADDED came before the POST's 201 was
+    read, mpsd's log on the node of scripts/cluster.sh)."""
+
+    def __init__(self) -> None:
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.cond = threading.Condition()
+        self.handled = 0  # events the keeper's watch loop is done with
+        self.watching = False
+        self.version = 0
+
+    def list_resource_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
+        with self.cond:
+            return [dict(s) for s in self.slices.values()]
+
+    def _store(self, kind: str, obj: dict[str, Any], name: str) -> dict[str, Any]:
+        with self.cond:
+            self.version += 1
+            stored = {**obj, "metadata": {**obj["metadata"], "name": name, "resourceVersion": str(self.version)}}
+            self.slices[name] = stored
+            self.events.append((kind, stored))
+            self.cond.notify_all()
+            # the old keeper decided on the echo at once; the fixed one waits for this write to end
+            self.cond.wait_for(lambda: not self.watching or self.handled >= len(self.events), timeout=1.5)
+        return stored
+
+    def create_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._store("ADDED", obj, f"slice-{self.version + 1}")
+
+    def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._store("MODIFIED", obj, obj["metadata"]["name"])
+
+    def delete_resource_slice(self, name: str) -> None:
+        with self.cond:
+            self.events.append(("DELETED", self.slices.pop(name)))
+            self.cond.notify_all()
+
+    def watch(self, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+        with self.cond:
+            self.watching, seen = True, 0
+            batch = [("ADDED", s) for s in self.slices.values()]  # a watch without resourceVersion
+        for event in batch:
+            yield event
+        seen = len(self.events)
+        while not stop.is_set():
+            with self.cond:
+                self.cond.wait_for(lambda: len(self.events) > seen or stop.is_set(), timeout=0.1)  # noqa: B023
+                batch = self.events[seen:]
+            for event in batch:
+                seen += 1
+                yield event
+                with self.cond:  # the keeper asked for the next event: it is done with this one
+                    self.handled = seen
+                    self.cond.notify_all()
+
+
+def test_its_own_new_slice_is_not_taken_for_someone_elses(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the echo of mpsd's own create came before the create's answer was read, and the
+    keeper logged "resourceslice ... added by someone else" and checked the pool again; so did a
+    watch opened at the start for the slices there. Now only someone else's deletion is news."""
+    api = EchoingAPI()
+    publisher = SlicePublisher(api, DRIVER, NODE, "capacity", 4)
+    stop = threading.Event()
+    keeper = SliceKeeper(publisher, GPUS, interval=30.0, watch=lambda: api.watch(stop))
+    thread = threading.Thread(target=keeper.run, args=(stop,), daemon=True)
+    with caplog.at_level("INFO", logger="mpsd.dra.keeper"):
+        thread.start()
+        try:
+            assert wait_for(lambda: len(api.slices) == len(GPUS) and api.watching)  # a slice per GPU
+            assert wait_for(lambda: publisher.own_versions)
+            api.delete_resource_slice(sorted(api.slices)[0])  # someone else: written again, an echo each
+            assert wait_for(lambda: len(api.slices) == len(GPUS) and api.handled == len(api.events))
+        finally:
+            stop.set()
+            thread.join(20)
+    assert not thread.is_alive()
+    foreign = [r.getMessage() for r in caplog.records if "by someone else" in r.getMessage()]
+    assert len(foreign) == 1 and "deleted" in foreign[0], caplog.text
