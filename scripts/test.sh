@@ -35,8 +35,4 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
-# a temporary root of this run's own: every pytest session started as root puts the shared
-# /tmp/pytest-of-root back to 0700, and the tests' UID-1000/1001/nobody processes reach pipe dirs
-# under this run's root (README.md, "One run per host")
-export PYTEST_DEBUG_TEMPROOT=${PYTEST_DEBUG_TEMPROOT:-$(mktemp -d /tmp/mpsd-tests.XXXXXX)}
 exec .venv/bin/python -m pytest "$@"
