@@ -62,8 +62,13 @@ def test_sigterm_to_the_holder_quits_its_daemon(node):
     holder = node.spawn("holder")
     daemon = wait_until(node.daemon_pid, "the holder's daemon")
     assert stop(holder) == 0
-    assert node.daemon_pid() is None and dead(daemon) and node.quits() == 1
-    assert f"daemon pid={daemon} stopped (quit)" in messages(holder)[-1]
+    said = messages(holder)
+    assert node.daemon_pid() is None and dead(daemon), said
+    assert f"daemon pid={daemon} stopped (quit)" in said[-1], said
+    # the daemon's own record of the command (control.log's Cmd:quit) is written by its log FIFO's
+    # reader thread, which its exit can outrun: once beside a CPU hog the daemon was gone, quits()
+    # 0 (mpsd's messages not kept then). What proves a quit and not a kill is mpsd's line above.
+    assert node.quits() <= 1, (node.commands(), said)
 
 
 def test_one_holder_per_pipe_dir(node):
