@@ -87,11 +87,16 @@ def dra(kube: Kube) -> Kube:
     return _install(kube, "dra")
 
 
-@pytest.fixture
-def ns(kube: Kube) -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:8]}"
+def client_namespace(kube: Kube, name: str) -> str:
+    """Namespace ``name`` with the ConfigMap ``client`` (scripts/demo_client.py) the client pods run."""
     kube.run("create", "namespace", name)
     kube.run("create", "configmap", "client", "-n", name, f"--from-file={REPO / 'scripts' / 'demo_client.py'}")
+    return name
+
+
+@pytest.fixture
+def ns(kube: Kube) -> Iterator[str]:
+    name = client_namespace(kube, f"t-{uuid.uuid4().hex[:8]}")
     yield name
     kube.delete("namespace", name)
 

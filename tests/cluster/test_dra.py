@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import os
 
-from tests.cluster.conftest import client_container, client_pod
+from tests.cluster.conftest import client_container, client_namespace, client_pod
 from tests.cluster.kube import Kube, holding, running, wait_for
 from tests.cluster.test_device_plugin import mem_total
 
@@ -25,6 +25,16 @@ def claim(name: str, namespace: str, *requests: dict) -> dict:
 def exactly(name: str, memory: str, compute: str | None = None) -> dict:
     caps = {"memory": memory} | ({"compute": compute} if compute else {})
     return {"name": name, "exactly": {"deviceClassName": DRIVER, "capacity": {"requests": caps}}}
+
+
+def claim_tenant(kube: Kube, ns: str) -> None:
+    """In a new namespace ``ns``: claim ``t`` (4Gi, compute 25) and pod ``tenant`` holding 1G of it,
+    Running and holding when this returns."""
+    client_namespace(kube, ns)
+    kube.apply(claim("t", ns, exactly("gpu", "4Gi", "25")))
+    kube.apply(client_pod("tenant", ns, "1G", claims=[{"name": "gpu", "resourceClaimName": "t"}]))
+    wait_for("tenant Running", running(kube, "tenant", ns), timeout=240)
+    holding(kube, "tenant", ns)
 
 
 def claim_spec_files(uid: str) -> list[str]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from tests.cluster.conftest import client_pod
-from tests.cluster.kube import CLUSTER, REPO, Kube, holding, running, wait_for
-from tests.cluster.test_dra import REGION_DIR, claim, claim_spec_files, exactly
+from tests.cluster.kube import CLUSTER, Kube, holding, running, wait_for
+from tests.cluster.test_dra import REGION_DIR, claim, claim_spec_files, claim_tenant, exactly
 from tests.cluster.test_upgrade import daemon_pids, pods
 
 REGISTERED = "registered with the kubelet"
@@ -34,12 +34,7 @@ class Tenant:
 def tenant(dra: Kube) -> Iterator[Tenant]:
     kube = dra
     ns = f"t-restarts-{os.getpid()}"
-    kube.run("create", "namespace", ns)
-    kube.run("create", "configmap", "client", "-n", ns, f"--from-file={REPO / 'scripts' / 'demo_client.py'}")
-    kube.apply(claim("t", ns, exactly("gpu", "4Gi", "25")))
-    kube.apply(client_pod("tenant", ns, "1G", claims=[{"name": "gpu", "resourceClaimName": "t"}]))
-    wait_for("tenant Running", running(kube, "tenant", ns), timeout=240)
-    holding(kube, "tenant", ns)
+    claim_tenant(kube, ns)
     [holder] = pods(kube, "daemon-holder")
     container = kube.get("pod", "-n", ns, "tenant")["status"]["containerStatuses"][0]["containerID"]
     yield Tenant(ns, kube.get("resourceclaim", "-n", ns, "t")["metadata"]["uid"], container, daemon_pids(holder))

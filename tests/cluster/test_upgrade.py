@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import client_pod
 from tests.cluster.conftest import CLUSTER_DIR
-from tests.cluster.kube import REPO, Kube, component, holding, running, wait_for
-from tests.cluster.test_dra import claim, exactly
+from tests.cluster.kube import REPO, Kube, component, wait_for
+from tests.cluster.test_dra import claim_tenant
 from tests.kubetools import ensure_tools
 
 CACHE = Path(os.environ.get("MPSD_CLUSTER_CACHE", "/var/cache/mpsd-cluster"))
@@ -70,12 +69,7 @@ def upgrade(dra: Kube) -> Iterator[Upgrade]:
                            capture_output=True, text=True, timeout=900, env=env)
     assert built.returncode == 0, built.stderr[-2000:]
     ns = f"t-upgrade-{os.getpid()}"
-    kube.run("create", "namespace", ns)
-    kube.run("create", "configmap", "client", "-n", ns, f"--from-file={REPO / 'scripts' / 'demo_client.py'}")
-    kube.apply(claim("t", ns, exactly("gpu", "4Gi", "25")))
-    kube.apply(client_pod("tenant", ns, "1G", claims=[{"name": "gpu", "resourceClaimName": "t"}]))
-    wait_for("tenant Running", running(kube, "tenant", ns), timeout=240)
-    holding(kube, "tenant", ns)
+    claim_tenant(kube, ns)
     [holder] = pods(kube, "daemon-holder")
     before_pids = daemon_pids(holder)
     old_mpsd = [p["metadata"]["uid"] for p in pods(kube, "node-daemon")]
